@@ -1,0 +1,126 @@
+"""Run a function on N local ranks in fresh processes, with a timeout, judged through files.
+
+Used by the demo, the benchmarks and the tests.
+
+Each rank runs ``module:function(*args)`` and pickles ``("ok", value)`` or ``("error", traceback)``
+to its own file, then leaves with ``os._exit`` so no gloo destructor runs. gloo can abort a process
+at exit ("terminate called without an active exception") after all its work is done; since the
+parent judges the files and not the exit codes, that cannot turn into a flaky failure. A rank that
+hangs is killed at the deadline and the test fails with every rank's stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["RankError", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """A rank raised, hung or died; the message holds its traceback or every rank's stderr."""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Return each rank's return value; raise RankError with the failing rank's traceback."""
+    spec = f"{fn.__module__}:{fn.__qualname__}"
+    with tempfile.TemporaryDirectory(prefix="muon_dtensor_") as tmp:
+        Path(tmp, "args.pkl").write_bytes(pickle.dumps(args))
+        path = os.pathsep.join(filter(None, [str(ROOT), os.getcwd(), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "muon_dtensor.launch", spec, str(rank), str(world_size), tmp],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=logs[rank],
+            )
+            for rank in range(world_size)
+        ]
+        hung = _wait(procs, Path(tmp), timeout)
+        for log in logs:
+            log.close()
+        return _judge(Path(tmp), world_size, hung, timeout)
+
+
+def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> bool:
+    """Wait for every rank; True if some rank had to be killed. Once a rank has reported an error,
+    the others get a short grace period: they are likely stuck in a collective it never joined."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+                p.wait()
+            return True
+        if any(_status(f) == "error" for f in tmp.glob("result*.pkl")):
+            deadline = min(deadline, time.monotonic() + 15.0)
+        time.sleep(0.05)
+    return False
+
+
+def _status(path: Path) -> str:
+    return pickle.loads(path.read_bytes())[0]
+
+
+def _judge(tmp: Path, world_size: int, hung: bool, timeout: float) -> list[Any]:
+    for path in sorted(tmp.glob("result*.pkl")):
+        status, value = pickle.loads(path.read_bytes())
+        if status == "error":
+            raise RankError(f"{path.stem} failed{' (others hung)' if hung else ''}:\n{value}")
+    results = []
+    for rank in range(world_size):
+        path = tmp / f"result{rank}.pkl"
+        if not path.exists():
+            stderr = "\n".join(
+                f"--- rank {r} stderr ---\n{(tmp / f'stderr{r}').read_text(errors='replace')[-3000:]}"
+                for r in range(world_size)
+            )
+            why = f"timed out after {timeout:.0f} s (hang?)" if hung else "exited without a result"
+            raise RankError(f"rank {rank} {why}\n{stderr}")
+        results.append(pickle.loads(path.read_bytes())[1])
+    return results
+
+
+def _worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
+    import importlib
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    outcome: tuple[str, Any]
+    try:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
+        )
+        module, name = spec.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        args = pickle.loads(Path(tmp, "args.pkl").read_bytes())
+        outcome = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - report every failure, CheckpointException included
+        outcome = ("error", traceback.format_exc())
+    part = Path(tmp, f"result{rank}.pkl.part")
+    part.write_bytes(pickle.dumps(outcome))
+    part.rename(Path(tmp, f"result{rank}.pkl"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,78 @@
+"""Where each rank's local block sits in the global matrix: plain frozen data from pure functions.
+
+A block is, per tensor dimension, a tuple of half-open index intervals; the local tensor is the
+Cartesian product of their concatenations. ``Shard`` gives one interval per dimension; placements
+that interleave (``_StridedShard``) give several, so they extend this module rather than rewrite the
+exchange. Everything here is computed from the global shape, the mesh shape and the placements, so it
+is identical on every rank and testable without a process group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Block", "Interval", "block_numel", "block_shape", "full_block", "shard_blocks"]
+
+Interval = tuple[int, int]
+Block = tuple[tuple[Interval, ...], ...]
+
+
+@dataclass(frozen=True)
+class AxisShard:
+    """One mesh axis that shards tensor dimension ``dim`` into ``size`` torch.chunk-style pieces."""
+
+    axis: int
+    dim: int
+    size: int
+
+
+def full_block(shape: Sequence[int]) -> Block:
+    return tuple(((0, int(s)),) for s in shape)
+
+
+def block_shape(block: Block) -> tuple[int, ...]:
+    return tuple(sum(stop - start for start, stop in dim) for dim in block)
+
+
+def block_numel(block: Block) -> int:
+    return math.prod(block_shape(block))
+
+
+def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[Interval, ...]:
+    """The ``index``-th of ``pieces`` chunks of an index list, with torch.chunk / DTensor semantics:
+    every chunk has ceil(len / pieces) entries except the last non-empty one, and trailing chunks
+    may be empty (DTensor ``Shard._local_shard_size_and_offset``)."""
+    length = sum(stop - start for start, stop in intervals)
+    chunk = -(-length // pieces) if length else 0
+    lo, hi = min(index * chunk, length), min((index + 1) * chunk, length)
+    out: list[Interval] = []
+    seen = 0
+    for start, stop in intervals:
+        a, b = max(lo - seen, 0), min(hi - seen, stop - start)
+        if a < b:
+            out.append((start + a, start + b))
+        seen += stop - start
+    return tuple(out) if out else ((0, 0),)
+
+
+def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Block, ...]:
+    """The block of every rank of the exchange group, in row-major order of the sharded mesh axes.
+
+    ``shards`` lists the sharded mesh axes in mesh order; DTensor applies them in that order, each
+    splitting what the previous ones left (so ``(Shard(0), Shard(0))`` nests).
+    """
+    sizes = [s.size for s in shards]
+    blocks: list[Block] = []
+    for flat in range(math.prod(sizes)):
+        coords, rest = [], flat
+        for size in reversed(sizes):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        dims = [list(d) for d in full_block(shape)]
+        for shard, coord in zip(shards, coords):
+            dims[shard.dim] = list(_chunk(tuple(dims[shard.dim]), shard.size, coord))
+        blocks.append(tuple(tuple(d) for d in dims))
+    return tuple(blocks)

@@ -1,0 +1,165 @@
+"""Newton-Schulz orthogonalization: pure, batched, shard-agnostic.
+
+Nothing here knows about processes or meshes. Every function takes a batch ``[B, m, n]`` of full
+matrices and treats each matrix independently, so the result for one matrix does not depend on which
+other matrices share its batch (``tests/test_newton_schulz.py`` checks this bitwise). That property is
+what lets an owner rank orthogonalize any subset of matrices and still match a one-process step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BAND_INPUT_FLOOR",
+    "DEFAULT_COEFFICIENTS",
+    "NSConfig",
+    "PRESETS",
+    "PRESET_BANDS",
+    "newton_schulz",
+    "ns_flops",
+    "scalar_map",
+    "resolve_ns_config",
+]
+
+Triple = tuple[float, float, float]
+
+# Keller Jordan's quintic, the default of KellerJordan/Muon and torch.optim.Muon
+# (https://github.com/KellerJordan/Muon/blob/f90a42b/muon.py#L16).
+DEFAULT_COEFFICIENTS: Triple = (3.4445, -4.7750, 2.0315)
+
+# Per-step set by You Jiacheng, the default of microsoft/dion's Newton-Schulz kernels.
+_YOU: tuple[Triple, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+# Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932), as used by modded-nanogpt.
+_POLAR_EXPRESS: tuple[Triple, ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+@dataclass(frozen=True)
+class NSConfig:
+    """What an orthogonalization needs: one (a, b, c) triple per iteration and the input scaling.
+
+    ``norm_scale`` multiplies the Frobenius norm before dividing by it; Polar Express uses 1.02 so the
+    spectral norm is safely below 1 in bfloat16.
+    """
+
+    coefficients: tuple[Triple, ...]
+    eps: float = 1e-7
+    norm_scale: float = 1.0
+    dtype: torch.dtype = torch.bfloat16
+
+
+# name -> (per-step triples, norm_scale). Singular-value bands are checked in tests against float64 SVD.
+PRESETS: dict[str, tuple[tuple[Triple, ...], float]] = {
+    "keller": ((DEFAULT_COEFFICIENTS,), 1.0),
+    "you": (_YOU, 1.0),
+    "polar_express": (_POLAR_EXPRESS, 1.02),
+}
+
+
+# Where each preset's output singular values land, for inputs whose singular values are at least
+# BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not converged after 5 steps). Computed
+# in float64 by ``scalar_map`` over [0.01, 1]; they agree with the bands in shared/reference:
+# Keller [0.68, 1.13], You [0.98, 1.03]; Polar Express [0.859, 1.141].
+BAND_INPUT_FLOOR = 0.01
+PRESET_BANDS: dict[str, tuple[float, float]] = {
+    "keller": (0.681, 1.135),
+    "you": (0.977, 1.032),
+    "polar_express": (0.858, 1.142),
+}
+
+
+def _as_triple(value: Sequence[float]) -> Triple:
+    if len(value) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = (float(v) for v in value)
+    return (a, b, c)
+
+
+def resolve_ns_config(
+    ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> NSConfig:
+    """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
+
+    A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
+    ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps should be >= 0 but is: {ns_steps}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32 but is: {dtype}")
+    norm_scale = 1.0
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients not in PRESETS:
+            raise ValueError(
+                f"Unknown ns_coefficients preset {ns_coefficients!r}; "
+                f"use one of {sorted(PRESETS)} or a tuple (a, b, c)"
+            )
+        steps, norm_scale = PRESETS[ns_coefficients]
+    elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
+        steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
+    else:
+        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[union-attr]
+        if not steps:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
+    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype)
+
+
+def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
+    """Orthogonalize each matrix of a batch ``[B, m, n]``; returns ``config.dtype``.
+
+    Same arithmetic as ``torch.optim._muon._zeropower_via_newtonschulz`` (cast, transpose tall
+    matrices, divide by the Frobenius norm, then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``).
+    """
+    if x.ndim != 3:
+        raise ValueError(f"newton_schulz expects a batch [B, m, n] but got shape {tuple(x.shape)}")
+    y = x.to(config.dtype)
+    tall = y.size(-2) > y.size(-1)
+    if tall:
+        y = y.mT
+    norm = y.norm(dim=(-2, -1), keepdim=True)
+    if config.norm_scale != 1.0:
+        norm = norm * config.norm_scale
+    y = y.div(norm.clamp(min=config.eps))
+    for a, b, c in config.coefficients:
+        gram = torch.bmm(y, y.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, poly, y, beta=a)
+    return y.mT if tall else y
+
+
+def scalar_map(singular_values: Tensor, config: NSConfig) -> Tensor:
+    """What the iteration does to each singular value (as a fraction of the Frobenius norm), in the
+    input's dtype: the odd polynomial ``a s + b s^3 + c s^5`` composed once per step."""
+    s = singular_values / config.norm_scale
+    for a, b, c in config.coefficients:
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+def ns_flops(shape: Sequence[int], steps: int = 1) -> int:
+    """Flops of ``steps`` iterations on one matrix: 4 m^2 n + 2 m^3 each, m <= n (shared/reference)."""
+    m, n = sorted((int(shape[0]), int(shape[1])))
+    return steps * (4 * m * m * n + 2 * m * m * m)

@@ -1,0 +1,155 @@
+"""Input checks. Local checks depend only on metadata every rank shares (hyperparameters, global
+shapes, placements), so every rank raises the same error with no communication. Checks that depend
+on per-rank data (is there a gradient, is it sparse, is it laid out like its parameter) go through
+one small all-reduce, the preflight, before any other collective of a step; then every rank raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from .comm import sum_over_mesh
+from .placement import same_layout
+
+__all__ = ["PreflightItem", "check_adamw_group", "check_muon_group", "check_muon_param", "preflight"]
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def _check_lr(lr: float | Tensor) -> None:
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+
+
+def check_muon_group(group: Mapping) -> None:
+    """torch.optim.Muon's argument checks, with its messages."""
+    _check_lr(group["lr"])
+    if not 0.0 <= group["momentum"]:
+        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if group.get("mode", "owner") not in ("owner", "gather"):
+        raise ValueError(f"mode should be 'owner' or 'gather' but is: {group['mode']!r}")
+
+
+def check_adamw_group(group: Mapping) -> None:
+    """torch.optim.AdamW's argument checks, with its messages."""
+    _check_lr(group["lr"])
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"Invalid epsilon value: {group['eps']}")
+    beta1, beta2 = group["betas"]
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+
+
+def check_param(p: Tensor, name: str) -> None:
+    if torch.is_complex(p):
+        raise RuntimeError(
+            f"Muon does not support complex parameters: '{name}' is {p.dtype}; "
+            "view it as real (torch.view_as_real) or keep it out of the optimizer"
+        )
+
+
+def check_muon_param(p: Tensor, name: str) -> None:
+    check_param(p, name)
+    if p.ndim != 2:
+        raise ValueError(
+            f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
+            f"('{name}'); put it in a group with \"algorithm\": \"adamw\" "
+            "(muon_dtensor.split_params does this for a model)"
+        )
+
+
+@dataclass(frozen=True)
+class PreflightItem:
+    name: str
+    param: Tensor
+    grad: Tensor | None
+
+
+# Columns of the preflight count matrix, summed over ranks.
+_PRESENT, _SPARSE, _MISLAID = 0, 1, 2
+
+
+def _local_flags(items: Sequence[PreflightItem]) -> Tensor:
+    flags = torch.zeros(len(items), 3, dtype=torch.int32)
+    for i, item in enumerate(items):
+        if item.grad is None:
+            continue
+        flags[i, _PRESENT] = 1
+        if item.grad.is_sparse:
+            flags[i, _SPARSE] = 1
+        elif not same_layout(item.param, item.grad):
+            flags[i, _MISLAID] = 1
+    return flags
+
+
+def _layout_text(t: Tensor | None) -> str:
+    if isinstance(t, DTensor):
+        return f"DTensor {tuple(t.shape)} {tuple(t.placements)}"
+    return "None" if t is None else f"plain tensor {tuple(t.shape)}"
+
+
+def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
+    present, sparse, mislaid = (int(v) for v in row)
+    where = f"on {{}} of {ranks} rank(s)"
+    if sparse:
+        raise RuntimeError(
+            f"Muon does not support sparse gradients: '{item.name}' has one {where.format(sparse)}; "
+            "use a dense gradient (e.g. nn.Embedding(sparse=False))"
+        )
+    if mislaid:
+        raise ValueError(
+            f"the gradient of '{item.name}' is not laid out like the parameter "
+            f"{where.format(mislaid)} (parameter: {_layout_text(item.param)}, gradient here: "
+            f"{_layout_text(item.grad)}); reduce or redistribute the gradient to the parameter's "
+            "placements before step() (a Partial gradient must be reduced first)"
+        )
+    if isinstance(item.param, DTensor) and 0 < present < ranks:
+        raise RuntimeError(
+            f"'{item.name}' has a gradient {where.format(present)}; a sharded parameter needs a "
+            "gradient on every rank or on none. Make every rank run the same forward and backward, "
+            "or zero_grad(set_to_none=False) so missing gradients become zeros everywhere"
+        )
+
+
+def preflight(items: Sequence[PreflightItem]) -> list[bool]:
+    """Check every parameter on every rank; return which ones have a gradient to apply.
+
+    One all-reduce per axis of every mesh in use shares the per-rank facts; then all ranks decide
+    the same way. Raises on every rank if any rank's input is bad.
+    """
+    flags = _local_flags(items)
+    meshes = []
+    for item in items:
+        if isinstance(item.param, DTensor) and item.param.device_mesh not in meshes:
+            meshes.append(item.param.device_mesh)
+    totals = [(sum_over_mesh(flags, m), m.size()) for m in meshes]
+    # Plain tensors take part in no collective, but a bad one on any rank must stop every rank.
+    any_bad = flags[:, 1:].clone()
+    for summed, _ in totals:
+        any_bad = torch.maximum(any_bad, summed[:, 1:])
+    widest = max((size for _, size in totals), default=1)
+    present: list[bool] = []
+    for i, item in enumerate(items):
+        if isinstance(item.param, DTensor):
+            summed, ranks = totals[meshes.index(item.param.device_mesh)]
+            row = summed[i]
+        else:
+            row, ranks = torch.cat([flags[i, :1], any_bad[i]]), widest
+        _raise_for(item, row, ranks)
+        present.append(bool(row[_PRESENT] > 0))
+    return present

@@ -1,0 +1,99 @@
+"""Newton-Schulz against a float64 SVD reference, and the properties the sharded step relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muon_dtensor.newton_schulz import (
+    BAND_INPUT_FLOOR,
+    PRESET_BANDS,
+    newton_schulz,
+    resolve_ns_config,
+    scalar_map,
+)
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+
+def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:
+    u, _ = torch.linalg.qr(torch.randn(m, m, dtype=torch.float64, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    k = min(m, n)
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
+    return (u[:, :k] * s) @ v[:k, :]
+
+
+def _inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    rand = [torch.randn(s, dtype=torch.float64, generator=gen) for s in [(64, 64), (32, 96), (96, 32), (128, 384)]]
+    ill = [_ill_conditioned(64, 128, 1e3, gen), _ill_conditioned(128, 64, 1e2, gen), _ill_conditioned(96, 96, 1e4, gen)]
+    return rand + ill
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_BANDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_singular_values_follow_the_polynomial_and_stay_in_band(preset: str, dtype: torch.dtype) -> None:
+    config = resolve_ns_config(preset, 5, 1e-7, dtype)
+    lo, hi = PRESET_BANDS[preset]
+    # bfloat16 keeps 8 significant bits: 2^-8 relative per product, a few products per step, and
+    # small unconverged singular values sit where the polynomial is steep (slope up to a^5).
+    tol = 0.06 if dtype == torch.bfloat16 else 2e-3
+    slack = 0.02 if dtype == torch.bfloat16 else 2e-3
+    for x in _inputs():
+        s_in = torch.linalg.svdvals(x) / torch.linalg.matrix_norm(x)
+        s_out = torch.linalg.svdvals(newton_schulz(x[None].float(), config)[0].double())
+        expected = scalar_map(s_in, config).sort(descending=True).values
+        assert (s_out - expected).abs().max() <= tol, (preset, tuple(x.shape))
+        converged = scalar_map(s_in[s_in >= BAND_INPUT_FLOOR], config)
+        assert lo - 1e-9 <= converged.min() and converged.max() <= hi + 1e-9
+        # Measured: at least as many output singular values in the band as converged inputs.
+        in_band = ((s_out >= lo - slack) & (s_out <= hi + slack)).sum()
+        assert in_band >= len(converged) > 0
+        assert s_out.max() <= 1.21  # the global peak of Keller's polynomial is 1.2024
+
+
+def test_keller_matches_torch_optim_muon_bitwise() -> None:
+    gen = torch.Generator().manual_seed(1)
+    config = resolve_ns_config((3.4445, -4.7750, 2.0315), 5, 1e-7)
+    for shape in [(48, 80), (80, 48), (64, 64)]:
+        g = torch.randn(shape, generator=gen)
+        ours = newton_schulz(g[None], config)[0]
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (33, 33)])
+def test_result_of_a_matrix_does_not_depend_on_its_batch(dtype: torch.dtype, shape: tuple) -> None:
+    """The owner of a matrix batches it with whichever same-shape matrices it owns; the one-process
+    step batches all of them. Exactness needs each matrix's result to ignore its batch-mates."""
+    config = resolve_ns_config("keller", 5, 1e-7, dtype)
+    x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
+    full = newton_schulz(x, config)
+    for start, size in [(0, 1), (3, 1), (1, 2), (2, 5), (6, 1)]:
+        part = newton_schulz(x[start : start + size], config)
+        assert torch.equal(part, full[start : start + size])
+
+
+def test_zero_input_gives_zero_not_nan() -> None:
+    config = resolve_ns_config("keller", 5, 1e-7)
+    assert torch.equal(newton_schulz(torch.zeros(2, 8, 16), config), torch.zeros(2, 8, 16, dtype=torch.bfloat16))
+
+
+def test_per_step_list_repeats_its_last_triple() -> None:
+    config = resolve_ns_config([(1.0, 2.0, 3.0), (4.0, 5.0, 6.0)], 4, 1e-7)
+    assert config.coefficients == ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (4.0, 5.0, 6.0), (4.0, 5.0, 6.0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ns_coefficients": "bogus"}, "Unknown ns_coefficients preset 'bogus'"),
+        ({"ns_coefficients": (1.0, 2.0)}, "exactly 3 values"),
+        ({"ns_steps": 100}, "less than 100"),
+        ({"dtype": torch.float16}, "ns_dtype must be"),
+    ],
+)
+def test_bad_configs_are_rejected(kwargs: dict, message: str) -> None:
+    args = {"ns_coefficients": "keller", "ns_steps": 5, "eps": 1e-7, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        resolve_ns_config(**args)
