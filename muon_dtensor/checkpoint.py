@@ -1,0 +1,186 @@
+"""One-call checkpoints on top of torch.distributed.checkpoint (DCP): step folders, atomic
+publication, checksums, keep-last-k, newest-complete resume.
+
+Layout of ``root``::
+
+    step_00000100/        published: DCP files + manifest.json (checksums, extra state)
+    .tmp_step_00000200/   being written (or left by a crash): never loaded, replaced on retry
+
+Every rank writes its own shards through DCP (no gather). After all ranks finished, each reports
+the checksums of the files it wrote, rank 0 writes the manifest and renames the folder to its final
+name; only then does the checkpoint exist. The folder must be on a file system every rank sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from .integrity import (
+    CheckpointError,
+    check_compatible,
+    complete_steps,
+    file_record,
+    read_manifest,
+    step_dir,
+    verify_files,
+    write_manifest,
+)
+
+__all__ = ["CheckpointError", "complete_steps", "latest_step", "load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def _dist(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if _solo():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _solo() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if _dist(group)[1] > 1:
+        dist.barrier(group=group)
+
+
+def _agree(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """Rank 0's ``value`` on every rank (so all ranks take the same decision)."""
+    if _dist(group)[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if _dist(group)[1] == 1:
+        return [value]
+    out: list[Any] = [None] * _dist(group)[1]
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        model_sd, _ = get_state_dict(model, [])
+        return {"model": model_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _publish(tmp: Path, final: Path, records: dict[str, dict[str, int]], info: dict[str, Any]) -> None:
+    records[".metadata"] = file_record(tmp / ".metadata")
+    write_manifest(tmp, records, info)
+    os.replace(tmp, final)
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save model (and optimizer) state of ``step`` under ``root``; collective over the group.
+
+    ``extra`` (JSON-serializable: data position, RNG seeds, ...) is stored in the manifest and
+    returned by ``load_checkpoint``. An existing step is never overwritten.
+    """
+    rank, world = _dist(process_group)
+    root, final = Path(root), step_dir(root, step)
+    tmp = root / f".tmp_{final.name}"
+    exists = _agree(final.exists(), process_group)
+    if exists:
+        raise FileExistsError(f"{final} already exists; checkpoints are never overwritten, use a new step")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
+        tmp.mkdir(parents=True)
+    _barrier(process_group)
+    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=_solo())
+    mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
+    records = {k: v for part in _gather(mine, process_group) for k, v in part.items()}
+    if rank == 0:
+        info = {"step": step, "extra": extra or {}, "world_size": world, "time": time.time(),
+                "torch": torch.__version__}
+        _publish(tmp, final, records, info)
+        if keep_last is not None:
+            for old in complete_steps(root)[:-keep_last]:
+                shutil.rmtree(step_dir(root, old), ignore_errors=True)
+    _barrier(process_group)
+    log.info("saved %s (%d files)", final, len(records) + 1)
+    return final
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Every rank checks a share of the files; every rank raises the same error naming them."""
+    rank, world = _dist(group)
+    manifest = read_manifest(folder)
+    names = sorted(manifest["files"])
+    problems = verify_files(folder, names[rank::world], manifest)
+    everyone = sorted(p for part in _gather(problems, group) for p in part)
+    if everyone:
+        raise CheckpointError("checkpoint files failed verification: " + "; ".join(everyone))
+    return manifest
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    *,
+    step: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any] | None:
+    """Load ``step`` (default: the newest complete one) into ``model`` and ``optimizer``.
+
+    Returns ``{"step": ..., **extra}``, or None when ``root`` holds no complete checkpoint. The
+    world size and mesh may differ from the saving run's: DCP reshards. Files are verified against
+    their checksums and the checkpoint's tensors against the model's before anything is loaded.
+    """
+    chosen = _agree(step if step is not None else latest_step(root), process_group)
+    if chosen is None:
+        return None
+    folder = step_dir(root, chosen)
+    manifest = _verify(folder, process_group)
+    state = _state(model, optimizer)
+    flat, _ = _flatten(state)
+    check_compatible(folder, flat)
+    # Partial load: hyperparameter entries a torch.optim.Muon / AdamW checkpoint lacks ("algorithm")
+    # keep their current values; every tensor was checked to be present above.
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load(state, checkpoint_id=str(folder), process_group=process_group, planner=planner, no_dist=_solo())
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"step": chosen, **manifest.get("extra", {})}
+
+
+def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)
