@@ -39,7 +39,15 @@ from .integrity import (
     write_manifest,
 )
 
-__all__ = ["CheckpointError", "complete_steps", "latest_step", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "PendingSave",
+    "async_save_checkpoint",
+    "complete_steps",
+    "latest_step",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,38 @@ def _publish(tmp: Path, final: Path, records: dict[str, dict[str, int]], info: d
     os.replace(tmp, final)
 
 
+def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
+    final = step_dir(root, step)
+    tmp = root / f".tmp_{final.name}"
+    if _agree(final.exists(), group):
+        raise FileExistsError(f"{final} already exists; checkpoints are never overwritten, use a new step")
+    if _dist(group)[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    return tmp, final
+
+
+def _finalize(
+    tmp: Path, final: Path, step: int, extra: dict[str, Any] | None, keep_last: int | None,
+    group: dist.ProcessGroup | None,
+) -> Path:
+    """Checksums from every rank, then rank 0 publishes: manifest, rename, prune."""
+    rank, world = _dist(group)
+    mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
+    records = {k: v for part in _gather(mine, group) for k, v in part.items()}
+    if rank == 0:
+        info = {"step": step, "extra": extra or {}, "world_size": world, "time": time.time(),
+                "torch": torch.__version__}
+        _publish(tmp, final, records, info)
+        if keep_last is not None:
+            for old in complete_steps(final.parent)[:-keep_last]:
+                shutil.rmtree(step_dir(final.parent, old), ignore_errors=True)
+    _barrier(group)
+    log.info("saved %s (%d files)", final, len(records) + 1)
+    return final
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -105,29 +145,55 @@ def save_checkpoint(
     ``extra`` (JSON-serializable: data position, RNG seeds, ...) is stored in the manifest and
     returned by ``load_checkpoint``. An existing step is never overwritten.
     """
-    rank, world = _dist(process_group)
-    root, final = Path(root), step_dir(root, step)
-    tmp = root / f".tmp_{final.name}"
-    exists = _agree(final.exists(), process_group)
-    if exists:
-        raise FileExistsError(f"{final} already exists; checkpoints are never overwritten, use a new step")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
-        tmp.mkdir(parents=True)
-    _barrier(process_group)
+    tmp, final = _prepare(Path(root), step, process_group)
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=_solo())
-    mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
-    records = {k: v for part in _gather(mine, process_group) for k, v in part.items()}
-    if rank == 0:
-        info = {"step": step, "extra": extra or {}, "world_size": world, "time": time.time(),
-                "torch": torch.__version__}
-        _publish(tmp, final, records, info)
-        if keep_last is not None:
-            for old in complete_steps(root)[:-keep_last]:
-                shutil.rmtree(step_dir(root, old), ignore_errors=True)
-    _barrier(process_group)
-    log.info("saved %s (%d files)", final, len(records) + 1)
-    return final
+    return _finalize(tmp, final, step, extra, keep_last, process_group)
+
+
+class PendingSave:
+    """An asynchronous save in flight. ``wait()`` (collective: call it on every rank) blocks until
+    every rank's files are written, then publishes the checkpoint and returns its folder."""
+
+    def __init__(self, future: Any, publish: Any) -> None:
+        self._future, self._publish, self._done = future, publish, None
+
+    def wait(self) -> Path:
+        if self._done is None:
+            self._future.result()
+            self._done = self._publish()
+        return self._done
+
+
+_SAVE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group used only by saves: an async save that shares the training group can interleave
+    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
+    if _solo():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if ranks not in _SAVE_GROUPS:
+        _SAVE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _SAVE_GROUPS[ranks]
+
+
+def async_save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
+    """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
+    ``wait()`` on the result (every rank) before the next save and before exiting."""
+    group = _save_group(process_group)
+    tmp, final = _prepare(Path(root), step, group)
+    future = dcp.async_save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo())
+    return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group))
 
 
 def latest_step(root: str | os.PathLike) -> int | None:

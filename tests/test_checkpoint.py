@@ -113,3 +113,9 @@ def test_keep_last_and_never_overwrite(tmp_path) -> None:
     with pytest.raises(FileExistsError, match="never overwritten"):
         ckpt.save_checkpoint(tmp_path, 4, model, opt)
     assert ckpt.load_checkpoint(tmp_path / "empty", model, opt) is None
+
+
+def test_async_save_while_training(tmp_path) -> None:
+    from tests.workers_ckpt import async_save_while_training
+
+    assert run_ranks(async_save_while_training, 2, str(tmp_path)) == [True, True]

@@ -132,3 +132,38 @@ def build_like(model: nn.Module) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def state_init_through_dcp() -> dict[str, Any]:
+    """DCP's get_state_dict steps an optimizer without state (zero gradients, lr 0): that step must
+    take the same collective path on every rank, change no parameter and create every state key."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+    opt.state.clear()
+    before = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    _, optim_sd = get_state_dict(model, opt)
+    after = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    return {
+        "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+        "keys": sorted({k for s in optim_sd["state"].values() for k in s}),
+        "params_with_state": len(optim_sd["state"]),
+        "params": len(before),
+        "lr_restored": opt.param_groups[0]["lr"] == 0.02,
+    }
+
+
+def async_save_while_training(root: str) -> bool:
+    """Start an async save at step 2, train two more steps while it runs, then check that the
+    published checkpoint holds step 2's state exactly."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+    _run(model, opt, range(2))
+    at_two = _snapshot(model, opt)
+    pending = ckpt.async_save_checkpoint(root, 2, model, opt)
+    _run(model, opt, range(2, 4))
+    pending.wait()
+    fresh = build((dist.get_world_size(),), seed=4)
+    fresh_opt = Muon(split_params(fresh), lr=0.02)
+    ckpt.load_checkpoint(root, fresh, fresh_opt)
+    loaded = _snapshot(fresh, fresh_opt)
+    return all(torch.equal(loaded[k], v) for k, v in at_two.items())
