@@ -143,7 +143,7 @@ def single_process(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """Time ``kind`` on plain tensors in this process."""
     fulls, grads = make_tensors(matrix_shapes(args.layers, args.width))
     params = [nn.Parameter(f) for f in fulls]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     return measure(kind, params, args, barrier=False)
 
@@ -173,7 +173,7 @@ def rank_contenders(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, kind in DISTRIBUTED:
         params = [nn.Parameter(distribute_tensor(f, mesh, [Shard(0)])) for f in fulls]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = distribute_tensor(g, mesh, [Shard(0)])
         out[label] = measure(kind, params, args, barrier=True)
     if args.profile:
@@ -264,7 +264,7 @@ def summarize(
     label: str, ranks: int, per_rank: list[dict[str, Any]], base_ms: float | None
 ) -> dict[str, Any]:
     """Median over steps of the slowest rank's step time; bytes: most any rank sent."""
-    slowest = [max(steps) for steps in zip(*(r["times"] for r in per_rank))]
+    slowest = [max(steps) for steps in zip(*(r["times"] for r in per_rank), strict=True)]
     median_ms = statistics.median(slowest) * 1e3
     sent = [r["sent"] for r in per_rank]
     return {
@@ -296,8 +296,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         sent = r["bytes_sent_per_rank_per_step"]
         sent_text = "n/a" if sent is None else f"{sent:,.0f}"
         lines.append(
-            f"| {r['contender']} | {r['ranks']} | {r['median_ms']:.1f} "
-            f"| {r['ratio']:.2f} | {sent_text} |"
+            f"| {r['contender']} | {r['ranks']} | {r['median_ms']:.1f} | {r['ratio']:.2f} | {sent_text} |"
         )
     return "\n".join(lines)
 
@@ -321,7 +320,7 @@ def system_info() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
@@ -338,9 +337,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = single_process(SINGLE[0][1], args)
     base_ms = summarize(SINGLE[0][0], 1, [base], None)["median_ms"]
     rows = [summarize(SINGLE[0][0], 1, [base], base_ms)]
-    rows.append(
-        summarize(SINGLE[1][0], 1, [single_process(SINGLE[1][1], args)], base_ms)
-    )
+    rows.append(summarize(SINGLE[1][0], 1, [single_process(SINGLE[1][1], args)], base_ms))
     per_rank = spawn_ranks(args)
     for label, _ in DISTRIBUTED:
         results = [r[label] for r in per_rank]
@@ -363,10 +360,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         f"gather S*(N-1)/N = {formulas['gather']:,.0f} (N = {n})"
     )
     verdict = "PASS" if all(targets.values()) else "FAIL"
-    print(
-        f"{verdict}: "
-        + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in targets.items())
-    )
+    print(f"{verdict}: " + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in targets.items()))
     config = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
     config["out"] = str(config["out"])
     payload = {**system_info(), "config": config, "num_matrices": len(shapes)}
