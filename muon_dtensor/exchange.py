@@ -1,9 +1,9 @@
 """Run a plan: blocks to their owners, Newton-Schulz once per matrix, results back to every block.
 
-For one batch of same-shape matrices, on group rank ``me``:
+For one round of the plan, on group rank ``me``:
   1. send my block of every matrix to its owner (gather mode: to every rank): one all-to-all;
-  2. assemble each matrix I own from the blocks, in global index order;
-  3. orthogonalize my matrices as one batch;
+  2. assemble each matrix I own from the blocks, in global index order, stacked by shape;
+  3. orthogonalize my same-shape matrices together;
   4. send every rank its block of each result (gather mode: slice locally): one all-to-all.
 Assembly and slicing follow the plan's blocks, so any layout that the layout module can describe is
 exchanged the same way.
@@ -19,11 +19,13 @@ from torch import Tensor
 
 from .comm import CommStats, all_to_all_chunks
 from .layout import Block, block_numel, block_shape
-from .plan import EVERYONE, Batch, Plan
+from .plan import EVERYONE, Plan, Round
 
 __all__ = ["run_plan"]
 
-Orthogonalize = Callable[[Tensor], Tensor]
+Orthogonalize = Callable[[Sequence[Tensor]], Sequence[Tensor]]
+# shape -> (members, their full matrices) on the rank that computes them
+Stacks = dict[tuple[int, int], tuple[list[int], Sequence[Tensor]]]
 
 
 def _pieces(block: Block) -> list[tuple[slice, slice, slice, slice]]:
@@ -34,12 +36,7 @@ def _pieces(block: Block) -> list[tuple[slice, slice, slice, slice]]:
         local_c = 0
         for c0, c1 in block[1]:
             out.append(
-                (
-                    slice(r0, r1),
-                    slice(c0, c1),
-                    slice(local_r, local_r + r1 - r0),
-                    slice(local_c, local_c + c1 - c0),
-                )
+                (slice(r0, r1), slice(c0, c1), slice(local_r, local_r + r1 - r0), slice(local_c, local_c + c1 - c0))
             )
             local_c += c1 - c0
         local_r += r1 - r0
@@ -63,62 +60,60 @@ def _cut(full: Tensor, block: Block) -> Tensor:
     return local
 
 
+def _by_shape(plan: Plan, members: Sequence[int]) -> dict[tuple[int, int], list[int]]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for m in members:
+        groups.setdefault(plan.entries[m].shape, []).append(m)
+    return groups
+
+
 def _to_owners(
-    plan: Plan,
-    batch: Batch,
-    me: int,
-    local: dict[int, Tensor],
-    group: dist.ProcessGroup | None,
+    plan: Plan, rnd: Round, me: int, local: dict[int, Tensor], group: dist.ProcessGroup | None,
     stats: CommStats | None,
-) -> Tensor:
-    """Steps 1-2: the full matrices this rank owns in ``batch``, stacked ``[k, m, n]``."""
-    mine = batch.owned_by(me)
+) -> Stacks:
+    """Steps 1-2: the full matrices this rank computes in ``rnd``, stacked by shape."""
+    mine = rnd.owned_by(me)
     if group is None:
-        return torch.stack([local[m] for m in mine])
+        return {s: (ms, [local[m] for m in ms]) for s, ms in _by_shape(plan, mine).items()}
     size = plan.group_size
     sends: list[list[Tensor]] = [[] for _ in range(size)]
-    for member, owner in zip(batch.members, batch.owners):
+    for member, owner in zip(rnd.members, rnd.owners):
         for dest in range(size) if owner == EVERYONE else (owner,):
             sends[dest].append(local[member])
     recv_numels = [sum(block_numel(plan.entries[m].blocks[src]) for m in mine) for src in range(size)]
-    sample = local[batch.members[0]]
+    sample = local[rnd.members[0]]
     received = all_to_all_chunks(
         sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
     )
-    fulls = sample.new_empty((len(mine), *plan.entries[batch.members[0]].shape))
+    stacks: Stacks = {s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()}
+    where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
     for src in range(size):
         offset = 0
-        for k, member in enumerate(mine):
+        for member in mine:
             block = plan.entries[member].blocks[src]
-            _assemble(fulls[k], block, received[src][offset : offset + block_numel(block)])
+            _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
             offset += block_numel(block)
-    return fulls
+    return stacks
 
 
 def _to_blocks(
-    plan: Plan,
-    batch: Batch,
-    me: int,
-    results: Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats | None,
+    plan: Plan, rnd: Round, me: int, results: dict[int, Tensor], group: dist.ProcessGroup | None,
+    stats: CommStats | None, ref: Tensor,
 ) -> dict[int, Tensor]:
-    """Step 4: my block of every matrix of ``batch``, cut from the owners' results."""
-    mine = batch.owned_by(me)
+    """Step 4: my block of every matrix of ``rnd``, cut from the owners' results."""
+    mine = rnd.owned_by(me)
     if plan.mode == "gather" or group is None:
-        return {m: _cut(results[k], plan.entries[m].blocks[me]) for k, m in enumerate(mine)}
+        return {m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine}
     size = plan.group_size
-    back = [[_cut(results[k], plan.entries[m].blocks[d]) for k, m in enumerate(mine)] for d in range(size)]
+    back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
     from_owner = [
-        sum(block_numel(plan.entries[m].blocks[me]) for m in batch.owned_by(src)) for src in range(size)
+        sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)
     ]
-    returned = all_to_all_chunks(
-        back, from_owner, group=group, dtype=results.dtype, device=results.device, stats=stats
-    )
+    returned = all_to_all_chunks(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
     out: dict[int, Tensor] = {}
     for src in range(size):
         offset = 0
-        for member in batch.owned_by(src):
+        for member in rnd.owned_by(src):
             block = plan.entries[member].blocks[me]
             out[member] = returned[src][offset : offset + block_numel(block)].view(block_shape(block))
             offset += block_numel(block)
@@ -141,8 +136,9 @@ def run_plan(
     """
     by_index = dict(enumerate(local))
     out: dict[int, Tensor] = {}
-    for batch in plan.batches:
-        fulls = _to_owners(plan, batch, me, by_index, group, stats)
-        results = orthogonalize(fulls) if fulls.size(0) else fulls
-        out.update(_to_blocks(plan, batch, me, results, group, stats))
+    for rnd in plan.rounds:
+        results: dict[int, Tensor] = {}
+        for members, fulls in _to_owners(plan, rnd, me, by_index, group, stats).values():
+            results.update(zip(members, orthogonalize(fulls)))
+        out.update(_to_blocks(plan, rnd, me, results, group, stats, ref=by_index[rnd.members[0]]))
     return [out[i] for i in range(len(local))]

@@ -17,7 +17,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from .comm import CommStats
 from .exchange import run_plan
-from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, newton_schulz, resolve_ns_config
+from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize, resolve_ns_config
 from .placement import ParamLayout, describe, local_of
 from .plan import MatrixEntry, Plan, build_plan
 from .update import adamw_update, adjust_lr, apply_muon_update, muon_momentum
@@ -214,7 +214,7 @@ class Muon(Optimizer):
             for members in domains.values():
                 layout = self._layouts[group["params"][members[0]]]
                 entries = [
-                    MatrixEntry(tuple(p.shape), self._layouts[p].blocks, tuple(p.shape))
+                    MatrixEntry(tuple(p.shape), self._layouts[p].blocks)
                     for p in (group["params"][pi] for pi in members)
                 ]
                 plans.append((layout, build_plan(entries, layout.group_size, group["mode"]), members))
@@ -223,7 +223,7 @@ class Muon(Optimizer):
 
     def _muon_step(self, group: dict[str, Any], gi: int, todo: list[int], config: NSConfig) -> None:
         lr = float(group["lr"])
-        orthogonalize = partial(newton_schulz, config=config)
+        ortho = partial(orthogonalize, config=config)
         for layout, plan, members in self._plan(group, gi, todo):
             params = [group["params"][pi] for pi in members]
             inputs = [
@@ -239,7 +239,7 @@ class Muon(Optimizer):
             if layout.axis is not None and layout.group_size > 1:
                 exchange_group = layout.mesh.get_group(layout.axis)
             outputs = run_plan(
-                plan, layout.rank, inputs, orthogonalize, group=exchange_group, stats=self.comm_stats
+                plan, layout.rank, inputs, ortho, group=exchange_group, stats=self.comm_stats
             )
             for p, out in zip(params, outputs):
                 apply_muon_update(

@@ -4,21 +4,23 @@ The plan is built from global shapes and layouts only, so every rank builds the 
 talking to the others, and a plan for 1,024 ranks can be built and checked in a unit test.
 
 Owners balance Newton-Schulz flops with the longest-processing-time rule (Graham, 1969): matrices in
-order of decreasing cost, each to the least-loaded rank, ties to the lower rank. Same-shape matrices
-with the same layout form one batch: one all-to-all carries the batch to its owners, each owner
-orthogonalizes its share as one batched product, one all-to-all brings the results back.
+order of decreasing cost, each to the least-loaded rank, ties to the lower rank. Matrices travel in
+rounds: one all-to-all carries a round's blocks to their owners, each owner orthogonalizes its
+same-shape matrices of the round together, one all-to-all brings the results back. By default a
+step is one round, so every rank waits only for the busiest rank's whole share (the balanced
+quantity); ``max_round_bytes`` splits it into several rounds to bound the transient memory.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .layout import Block, block_numel
 from .newton_schulz import ns_flops
 
-__all__ = ["EVERYONE", "Batch", "MatrixEntry", "Plan", "build_plan"]
+__all__ = ["EVERYONE", "MatrixEntry", "Plan", "Round", "build_plan"]
 
 # Owner value meaning "every rank of the group computes this matrix" (gather mode).
 EVERYONE = -1
@@ -30,12 +32,13 @@ class MatrixEntry:
 
     shape: tuple[int, int]
     blocks: tuple[Block, ...]
-    batch_key: Hashable
 
 
 @dataclass(frozen=True)
-class Batch:
-    members: tuple[int, ...]  # indices into the plan's entries, ascending
+class Round:
+    """One exchange: every member's blocks go to its owner in one all-to-all and come back in one."""
+
+    members: tuple[int, ...]  # indices into the plan's entries
     owners: tuple[int, ...]  # owner group rank per member, or EVERYONE
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
@@ -47,7 +50,7 @@ class Plan:
     group_size: int
     mode: str
     entries: tuple[MatrixEntry, ...]
-    batches: tuple[Batch, ...]
+    rounds: tuple[Round, ...]
     loads: tuple[int, ...]  # Newton-Schulz flops per iteration, per group rank
 
     @property
@@ -57,16 +60,16 @@ class Plan:
         return max(self.loads) / mean if mean else 1.0
 
     def owner_of(self, index: int) -> int:
-        for batch in self.batches:
-            if index in batch.members:
-                return batch.owners[batch.members.index(index)]
+        for r in self.rounds:
+            if index in r.members:
+                return r.owners[r.members.index(index)]
         raise KeyError(index)
 
     def bytes_sent(self, rank: int, itemsize: int) -> int:
         """Bytes ``rank`` sends to other ranks in one step under this plan (both directions)."""
         total = 0
-        for batch in self.batches:
-            for member, owner in zip(batch.members, batch.owners):
+        for r in self.rounds:
+            for member, owner in zip(r.members, r.owners):
                 blocks = self.entries[member].blocks
                 if owner == EVERYONE:
                     total += (self.group_size - 1) * block_numel(blocks[rank])
@@ -92,11 +95,34 @@ def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[lis
     return owners, loads
 
 
-def build_plan(entries: Sequence[MatrixEntry], group_size: int, mode: str = "owner") -> Plan:
-    """Assign an owner to every matrix and batch same-key matrices together.
+def _rounds(entries: Sequence[MatrixEntry], order: list[int], max_bytes: int | None) -> list[list[int]]:
+    """Consecutive pieces of ``order`` whose full matrices (2 bytes an element) fit ``max_bytes``."""
+    if max_bytes is None:
+        return [sorted(order)]
+    rounds: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        nbytes = 2 * entries[i].shape[0] * entries[i].shape[1]
+        if rounds[-1] and size + nbytes > max_bytes:
+            rounds.append([])
+            size = 0
+        rounds[-1].append(i)
+        size += nbytes
+    return [sorted(r) for r in rounds]
+
+
+def build_plan(
+    entries: Sequence[MatrixEntry],
+    group_size: int,
+    mode: str = "owner",
+    *,
+    max_round_bytes: int | None = None,
+) -> Plan:
+    """Assign an owner to every matrix and split the matrices into exchange rounds.
 
     ``mode="owner"``: each matrix once, on its owner. ``mode="gather"``: every rank computes every
-    matrix (the redundant strategy, kept for comparison).
+    matrix (the redundant strategy, kept for comparison). Rounds take matrices in decreasing cost,
+    so each round mixes owners the way the whole plan does.
     """
     if mode not in ("owner", "gather"):
         raise ValueError(f"mode must be 'owner' or 'gather' but is: {mode!r}")
@@ -109,12 +135,11 @@ def build_plan(entries: Sequence[MatrixEntry], group_size: int, mode: str = "own
         owners, loads = _assign_owners(entries, group_size)
     else:
         owners = [EVERYONE] * len(entries)
-        total = sum(ns_flops(e.shape) for e in entries)
-        loads = [total] * group_size
-    by_key: dict[Hashable, list[int]] = {}
-    for i, e in enumerate(entries):
-        by_key.setdefault(e.batch_key, []).append(i)
-    batches = tuple(
-        Batch(members=tuple(m), owners=tuple(owners[i] for i in m)) for m in by_key.values()
+        loads = [sum(ns_flops(e.shape) for e in entries)] * group_size
+    order = sorted(range(len(entries)), key=lambda i: (-ns_flops(entries[i].shape), i))
+    rounds = tuple(
+        Round(members=tuple(r), owners=tuple(owners[i] for i in r))
+        for r in _rounds(entries, order, max_round_bytes)
+        if r
     )
-    return Plan(group_size, mode, tuple(entries), batches, tuple(loads))
+    return Plan(group_size, mode, tuple(entries), rounds, tuple(loads))

@@ -19,7 +19,7 @@ LLAMA3_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 409
 
 
 def _entries(shapes: list[tuple[int, int]], ranks: int) -> list[MatrixEntry]:
-    return [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 0, ranks)]), s) for s in shapes]
+    return [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 0, ranks)])) for s in shapes]
 
 
 @pytest.mark.parametrize("ranks", [8, 64])
@@ -31,16 +31,15 @@ def test_llama3_8b_owner_plan_is_balanced(ranks: int) -> None:
 def test_plan_for_1024_ranks_assigns_every_matrix_once() -> None:
     shapes = LLAMA3_8B * 32
     plan = build_plan(_entries(shapes, 1024), 1024)
-    owners = {m: o for b in plan.batches for m, o in zip(b.members, b.owners)}
+    owners = {m: o for r in plan.rounds for m, o in zip(r.members, r.owners)}
     assert sorted(owners) == list(range(len(shapes)))
     assert all(0 <= o < 1024 for o in owners.values())
     # Fewer matrices than ranks: no rank may own two, so the busiest rank holds one biggest matrix.
     assert len(set(owners.values())) == len(shapes)
     assert max(plan.loads) == max(ns_flops(s) for s in shapes)
-    # Batches hold same-shape matrices and cover each matrix once.
-    for batch in plan.batches:
-        assert len({shapes[m] for m in batch.members}) == 1
-    assert sorted(m for b in plan.batches for m in b.members) == list(range(len(shapes)))
+    # One round by default; rounds cover each matrix once.
+    assert len(plan.rounds) == 1
+    assert sorted(m for r in plan.rounds for m in r.members) == list(range(len(shapes)))
 
 
 def test_plan_is_deterministic_and_loads_add_up() -> None:
@@ -52,8 +51,8 @@ def test_plan_is_deterministic_and_loads_add_up() -> None:
 
 def test_gather_mode_gives_every_matrix_to_everyone() -> None:
     plan = build_plan(_entries([(64, 32)] * 3, 4), 4, mode="gather")
-    assert all(o == EVERYONE for b in plan.batches for o in b.owners)
-    assert all(b.owned_by(r) == b.members for b in plan.batches for r in range(4))
+    assert all(o == EVERYONE for r in plan.rounds for o in r.owners)
+    assert all(rnd.owned_by(r) == rnd.members for rnd in plan.rounds for r in range(4))
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -68,6 +67,18 @@ def test_bytes_sent_match_the_formulas(ranks: int) -> None:
     mean_owner = sum(owner.bytes_sent(r, 2) for r in range(ranks)) / ranks
     assert mean_owner == pytest.approx(2 * total * (ranks - 1) / ranks**2, rel=0.05)
     assert gather.bytes_sent(0, 2) == pytest.approx(total * (ranks - 1) / ranks, rel=0.05)
+
+
+def test_rounds_respect_the_byte_cap_and_mix_owners() -> None:
+    shapes = LLAMA3_8B * 4
+    cap = 2 * 14336 * 4096 * 3  # three of the largest matrices
+    plan = build_plan(_entries(shapes, 8), 8, max_round_bytes=cap)
+    assert len(plan.rounds) > 1
+    for rnd in plan.rounds:
+        assert sum(2 * shapes[m][0] * shapes[m][1] for m in rnd.members) <= cap
+        if len(rnd.members) > 1:
+            assert len(set(rnd.owners)) > 1  # no round waits on a single rank
+    assert sorted(m for r in plan.rounds for m in r.members) == list(range(len(shapes)))
 
 
 def test_bad_plan_arguments_are_rejected() -> None:
