@@ -15,19 +15,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CommStats", "all_to_all_chunks", "sum_over_mesh"]
+__all__ = ["CommStats", "all_to_all_chunks", "exchange_group", "sum_over_group", "sum_over_mesh"]
+
+# (mesh ranks, mesh shape, axes) -> this rank's group over those axes
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 class CommStats:
-    """Bytes this rank sent to and received from other ranks, for benchmarks and tests."""
+    """Bytes this rank sent to and received from other ranks, collectives issued and matrices
+    this rank orthogonalized, for benchmarks and tests."""
 
     def __init__(self) -> None:
-        self.sent = 0
-        self.received = 0
-        self.collectives = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.sent = self.received = self.collectives = 0
+        self.sent = self.received = self.collectives = self.orthogonalized = 0
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -41,6 +43,41 @@ def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
         if mesh.size(axis) > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
     return out.cpu()
+
+
+def sum_over_group(counts: Tensor, group: dist.ProcessGroup, device_type: str = "cpu") -> Tensor:
+    out = counts.to(device_type)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out.cpu()
+
+
+def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of this rank over mesh ``axes`` (the others fixed).
+
+    One axis is the mesh's own group. Several axes (FSDP x TP) need new groups; ``new_group`` is
+    collective over the default group, so every rank creates every subgroup of the mesh, in the
+    same order: call this on all ranks for the same (mesh, axes), e.g. while building the optimizer.
+    """
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    key = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), axes)
+    if key not in _GROUPS:
+        others = [a for a in range(mesh.ndim) if a not in axes]
+        moved = mesh.mesh.permute(*others, *axes).reshape(-1, _prod(mesh.size(a) for a in axes))
+        me = dist.get_rank()
+        for ranks in moved.tolist():
+            group = dist.new_group(sorted(ranks))
+            if me in ranks:
+                _GROUPS[key] = group
+    return _GROUPS[key]
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 def all_to_all_chunks(

@@ -67,29 +67,45 @@ def _by_shape(plan: Plan, members: Sequence[int]) -> dict[tuple[int, int], list[
     return groups
 
 
+def _all_local(plan: Plan, rnd: Round) -> bool:
+    """Every matrix of the round sits whole on its owner (expert parallel): no collective at all.
+    Every rank reads this from the plan, so all skip together."""
+    return plan.mode == "owner" and all(plan.entries[m].holder == o for m, o in zip(rnd.members, rnd.owners))
+
+
 def _to_owners(
     plan: Plan, rnd: Round, me: int, local: dict[int, Tensor], group: dist.ProcessGroup | None,
     stats: CommStats | None,
 ) -> Stacks:
     """Steps 1-2: the full matrices this rank computes in ``rnd``, stacked by shape."""
     mine = rnd.owned_by(me)
-    if group is None:
+    if group is None or _all_local(plan, rnd):
         return {s: (ms, [local[m] for m in ms]) for s, ms in _by_shape(plan, mine).items()}
     size = plan.group_size
+    # Replicated matrices are already whole on their owner: nothing to send for them.
+    replicated = {m for m in rnd.members if plan.entries[m].replicated}
     sends: list[list[Tensor]] = [[] for _ in range(size)]
     for member, owner in zip(rnd.members, rnd.owners):
+        if member in replicated:
+            continue
         for dest in range(size) if owner == EVERYONE else (owner,):
             sends[dest].append(local[member])
-    recv_numels = [sum(block_numel(plan.entries[m].blocks[src]) for m in mine) for src in range(size)]
+    incoming = [m for m in mine if m not in replicated]
+    recv_numels = [sum(block_numel(plan.entries[m].blocks[src]) for m in incoming) for src in range(size)]
     sample = local[rnd.members[0]]
-    received = all_to_all_chunks(
-        sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
-    )
+    if len(replicated) == len(rnd.members):  # every rank knows this from the plan: skip together
+        received = [sample.new_empty(0)] * size
+    else:
+        received = all_to_all_chunks(
+            sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
+        )
     stacks: Stacks = {s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()}
     where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
+    for member in replicated.intersection(mine):
+        where[member].copy_(local[member])
     for src in range(size):
         offset = 0
-        for member in mine:
+        for member in incoming:
             block = plan.entries[member].blocks[src]
             _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
             offset += block_numel(block)
@@ -102,7 +118,7 @@ def _to_blocks(
 ) -> dict[int, Tensor]:
     """Step 4: my block of every matrix of ``rnd``, cut from the owners' results."""
     mine = rnd.owned_by(me)
-    if plan.mode == "gather" or group is None:
+    if plan.mode == "gather" or group is None or _all_local(plan, rnd):
         return {m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine}
     size = plan.group_size
     back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
@@ -140,5 +156,7 @@ def run_plan(
         results: dict[int, Tensor] = {}
         for members, fulls in _to_owners(plan, rnd, me, by_index, group, stats).values():
             results.update(zip(members, orthogonalize(fulls)))
+            if stats is not None:
+                stats.orthogonalized += len(members)
         out.update(_to_blocks(plan, rnd, me, results, group, stats, ref=by_index[rnd.members[0]]))
     return [out[i] for i in range(len(local))]

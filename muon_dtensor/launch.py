@@ -73,23 +73,29 @@ def _status(path: Path) -> str:
     return pickle.loads(path.read_bytes())[0]
 
 
+def _stderr(tmp: Path, ranks: list[int]) -> str:
+    return "\n".join(
+        f"--- rank {r} stderr ---\n{(tmp / f'stderr{r}').read_text(errors='replace')[-3000:]}" for r in ranks
+    )
+
+
 def _judge(tmp: Path, world_size: int, hung: bool, timeout: float) -> list[Any]:
+    silent = [r for r in range(world_size) if not (tmp / f"result{r}.pkl").exists()]
+    errors = {}
     for path in sorted(tmp.glob("result*.pkl")):
         status, value = pickle.loads(path.read_bytes())
         if status == "error":
-            raise RankError(f"{path.stem} failed{' (others hung)' if hung else ''}:\n{value}")
-    results = []
-    for rank in range(world_size):
-        path = tmp / f"result{rank}.pkl"
-        if not path.exists():
-            stderr = "\n".join(
-                f"--- rank {r} stderr ---\n{(tmp / f'stderr{r}').read_text(errors='replace')[-3000:]}"
-                for r in range(world_size)
-            )
-            why = f"timed out after {timeout:.0f} s (hang?)" if hung else "exited without a result"
-            raise RankError(f"rank {rank} {why}\n{stderr}")
-        results.append(pickle.loads(path.read_bytes())[1])
-    return results
+            errors[path.stem] = value
+    if errors:
+        # A rank's own error first; "Connection reset" is usually another rank's consequence.
+        first = min(errors, key=lambda k: ("Connection reset" in errors[k], k))
+        rest = "".join(f"\n--- also {k}: {v.strip().splitlines()[-1]}" for k, v in errors.items() if k != first)
+        others = f"\nranks without a result: {silent}\n{_stderr(tmp, silent)}" if silent else ""
+        raise RankError(f"{first} failed{' (others hung)' if hung else ''}:\n{errors[first]}{rest}{others}")
+    if silent:
+        why = f"timed out after {timeout:.0f} s (hang?)" if hung else "exited without a result"
+        raise RankError(f"rank {silent[0]} {why}\n{_stderr(tmp, list(range(world_size)))}")
+    return [pickle.loads((tmp / f"result{r}.pkl").read_bytes())[1] for r in range(world_size)]
 
 
 def _worker(spec: str, rank: int, world_size: int, tmp: str) -> None:

@@ -21,11 +21,17 @@ Block = tuple[tuple[Interval, ...], ...]
 
 @dataclass(frozen=True)
 class AxisShard:
-    """One mesh axis that shards tensor dimension ``dim`` into ``size`` torch.chunk-style pieces."""
+    """One mesh axis that shards tensor dimension ``dim`` into ``size`` torch.chunk-style pieces.
+
+    ``split_factor > 1`` is DTensor's ``_StridedShard`` (FSDP2 over tensor parallel): the index list
+    is first cut into ``split_factor`` pieces, each piece into ``size`` chunks, and a rank holds its
+    chunk of every piece, concatenated.
+    """
 
     axis: int
     dim: int
     size: int
+    split_factor: int = 1
 
 
 def full_block(shape: Sequence[int]) -> Block:
@@ -57,6 +63,15 @@ def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[In
     return tuple(out) if out else ((0, 0),)
 
 
+def _apply(intervals: tuple[Interval, ...], shard: AxisShard, coord: int) -> tuple[Interval, ...]:
+    if shard.split_factor == 1:
+        return _chunk(intervals, shard.size, coord)
+    out: list[Interval] = []
+    for piece in range(shard.split_factor):
+        out += [iv for iv in _chunk(_chunk(intervals, shard.split_factor, piece), shard.size, coord) if iv[0] < iv[1]]
+    return tuple(out) if out else ((0, 0),)
+
+
 def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Block, ...]:
     """The block of every rank of the exchange group, in row-major order of the sharded mesh axes.
 
@@ -73,6 +88,6 @@ def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Blo
         coords.reverse()
         dims = [list(d) for d in full_block(shape)]
         for shard, coord in zip(shards, coords):
-            dims[shard.dim] = list(_chunk(tuple(dims[shard.dim]), shard.size, coord))
+            dims[shard.dim] = list(_apply(tuple(dims[shard.dim]), shard, coord))
         blocks.append(tuple(tuple(d) for d in dims))
     return tuple(blocks)

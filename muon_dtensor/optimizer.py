@@ -7,7 +7,6 @@ The class is a thin shell: validation lives in ``validation``, the update rules 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -15,12 +14,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from .comm import CommStats
-from .exchange import run_plan
-from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize, resolve_ns_config
-from .placement import ParamLayout, describe, local_of
-from .plan import MatrixEntry, Plan, build_plan
-from .update import adamw_update, adjust_lr, apply_muon_update, muon_momentum
+from .comm import CommStats, sum_over_mesh
+from .muon_step import Domain, MuonHyper, build_domains, muon_step
+from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, resolve_ns_config
+from .placement import ParamLayout, describe, local_grad, local_of
+from .update import adamw_update
+from .views import View, matrix_views
 from .validation import (
     PreflightItem,
     check_adamw_group,
@@ -67,6 +66,14 @@ class Muon(Optimizer):
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
         mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
+        process_group: for plain (non-DTensor) parameters replicated across ranks, as under DDP:
+            the ranks that hold them. Newton-Schulz work is then split over these ranks and the
+            results all-gathered. Without it plain tensors are stepped locally.
+        max_round_bytes: cap on the full matrices one exchange round carries (default: one round).
+
+    Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
+    one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
+    matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v).
     """
 
     def __init__(
@@ -83,6 +90,8 @@ class Muon(Optimizer):
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
         mode: str = "owner",
+        process_group: Any = None,
+        max_round_bytes: int | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -95,11 +104,17 @@ class Muon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": _dtype_name(ns_dtype),
             "mode": mode,
+            "flatten": False,
+            "experts": False,
+            "split_sizes": None,
         }
         check_muon_group(defaults)
         resolve_ns_config(ns_coefficients, ns_steps, eps)
         self._layouts: dict[Tensor, ParamLayout] = {}
-        self._plans: dict[tuple, list[tuple[ParamLayout, Plan, list[int]]]] = {}
+        self._views: dict[Tensor, list[View]] = {}
+        self._plans: dict[tuple, list[Domain]] = {}
+        self._process_group = process_group
+        self._max_round_bytes = max_round_bytes
         self.comm_stats = CommStats()
         super().__init__(params, defaults)
 
@@ -129,10 +144,12 @@ class Muon(Optimizer):
         names = self._names(group, index)
         meshes = {}
         for p, name in zip(group["params"], names):
-            (check_muon_param if group["algorithm"] == "muon" else check_param)(p, name)
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
-            if group["algorithm"] == "muon":
-                self._layouts[p] = describe(p, name)
+            if group["algorithm"] == "adamw":
+                check_param(p, name)
+                continue
+            check_muon_param(p, name, flatten=group["flatten"], experts=group["experts"])
+        self._describe_all(group, names)
         if len(meshes) > 1:
             found = ", ".join(f"'{n}' on {m or 'no mesh (a plain tensor)'}" for m, n in meshes.items())
             raise ValueError(
@@ -141,6 +158,32 @@ class Muon(Optimizer):
             )
         for p in group["params"]:
             self._ensure_state(group, p)
+
+    def _describe_all(self, group: dict[str, Any], names: list[str]) -> None:
+        """Layouts and views of a Muon group's parameters. The one check that can differ between
+        ranks (a local shape) is agreed on over each mesh, so every rank raises together."""
+        if group["algorithm"] != "muon":
+            return
+        error: Exception | None = None
+        for p, name in zip(group["params"], names):
+            try:
+                layout = describe(p, name, self._process_group)
+                self._layouts[p] = layout
+                self._views[p] = matrix_views(
+                    p.shape, layout.blocks, layout.rank, name=name, flatten=group["flatten"],
+                    experts=group["experts"], split_sizes=group["split_sizes"],
+                )
+            except ValueError as e:
+                error = error or e
+        meshes = {p.device_mesh: None for p in group["params"] if isinstance(p, DTensor)}
+        failed = sum(int(sum_over_mesh(torch.tensor([int(error is not None)]), m)) for m in meshes)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(
+                f"building the optimizer failed on {failed} other rank(s) for a parameter of this "
+                "group; their error names it (a local shard that does not match its placements)"
+            )
 
     def _ensure_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Create state eagerly, so every rank has the same keys even before the first step and a
@@ -179,7 +222,7 @@ class Muon(Optimizer):
         items, where = [], []
         for gi, group in enumerate(self.param_groups):
             for pi, (p, name) in enumerate(zip(group["params"], self._names(group, gi))):
-                items.append(PreflightItem(name, p, p.grad))
+                items.append(PreflightItem(name, p, p.grad, self._scope(group, p)))
                 where.append((gi, pi))
         present = preflight(items)
         for gi, group in enumerate(self.param_groups):
@@ -194,6 +237,12 @@ class Muon(Optimizer):
                 self._muon_step(group, gi, todo, configs[gi])
         return loss
 
+    def _scope(self, group: dict[str, Any], p: Tensor) -> Any:
+        """Who must agree about this parameter's gradient: its mesh, the DDP group, or nobody."""
+        if isinstance(p, DTensor):
+            return p.device_mesh
+        return self._process_group if group["algorithm"] == "muon" else None
+
     def _check_group(self, group: dict[str, Any]) -> NSConfig | None:
         """Local checks of hyperparameters a user or scheduler may have changed since __init__."""
         if group["algorithm"] == "adamw":
@@ -203,52 +252,31 @@ class Muon(Optimizer):
         dtype = _DTYPES[_dtype_name(group["ns_dtype"])]
         return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
-    def _plan(self, group: dict[str, Any], gi: int, todo: list[int]) -> list[tuple[ParamLayout, Plan, list[int]]]:
+    def _domains(self, group: dict[str, Any], gi: int, todo: list[int]) -> list[Domain]:
         key = (gi, tuple(todo), group["mode"])
         if key not in self._plans:
-            domains: dict[tuple, list[int]] = {}
-            for pi in todo:
-                layout = self._layouts[group["params"][pi]]
-                domains.setdefault((layout.axis, layout.group_size), []).append(pi)
-            plans = []
-            for members in domains.values():
-                layout = self._layouts[group["params"][members[0]]]
-                entries = [
-                    MatrixEntry(tuple(p.shape), self._layouts[p].blocks)
-                    for p in (group["params"][pi] for pi in members)
-                ]
-                plans.append((layout, build_plan(entries, layout.group_size, group["mode"]), members))
-            self._plans[key] = plans
+            params = [group["params"][pi] for pi in todo]
+            self._plans[key] = build_domains(
+                [self._layouts[p] for p in params], [self._views[p] for p in params],
+                group["mode"], self._max_round_bytes,
+            )
         return self._plans[key]
 
     def _muon_step(self, group: dict[str, Any], gi: int, todo: list[int], config: NSConfig) -> None:
-        lr = float(group["lr"])
-        ortho = partial(orthogonalize, config=config)
-        for layout, plan, members in self._plan(group, gi, todo):
-            params = [group["params"][pi] for pi in members]
-            inputs = [
-                muon_momentum(
-                    local_of(self.state[p]["momentum_buffer"]),
-                    local_of(p.grad),
-                    group["momentum"],
-                    group["nesterov"],
-                ).to(config.dtype)
-                for p in params
-            ]
-            exchange_group = None
-            if layout.axis is not None and layout.group_size > 1:
-                exchange_group = layout.mesh.get_group(layout.axis)
-            outputs = run_plan(
-                plan, layout.rank, inputs, ortho, group=exchange_group, stats=self.comm_stats
-            )
-            for p, out in zip(params, outputs):
-                apply_muon_update(
-                    local_of(p),
-                    out,
-                    lr=lr,
-                    weight_decay=group["weight_decay"],
-                    adjusted_lr=adjust_lr(lr, group["adjust_lr_fn"], p.shape),
-                )
+        params = [group["params"][pi] for pi in todo]
+        hyper = MuonHyper(
+            float(group["lr"]), group["weight_decay"], group["momentum"], group["nesterov"], group["adjust_lr_fn"]
+        )
+        muon_step(
+            [local_of(p) for p in params],
+            [local_grad(p) for p in params],
+            [local_of(self.state[p]["momentum_buffer"]) for p in params],
+            [self._views[p] for p in params],
+            self._domains(group, gi, todo),
+            hyper,
+            config,
+            self.comm_stats,
+        )
 
     def _adamw_step(self, group: dict[str, Any], todo: list[int]) -> None:
         for pi in todo:
@@ -257,7 +285,7 @@ class Muon(Optimizer):
             state["step"] += 1
             adamw_update(
                 local_of(p),
-                local_of(p.grad),
+                local_grad(p),
                 local_of(state["exp_avg"]),
                 local_of(state["exp_avg_sq"]),
                 step=int(state["step"].item()),

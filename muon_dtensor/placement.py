@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from .comm import exchange_group
 from .layout import AxisShard, Block, block_shape, full_block, shard_blocks
 
-__all__ = ["ParamLayout", "describe", "local_of"]
+__all__ = ["ParamLayout", "describe", "local_grad", "local_of", "same_layout"]
 
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where a parameter lives. ``axis`` is the one mesh axis that shards it (None: every rank of
-    the mesh, or this process alone, holds it whole); ``blocks`` has one block per rank of that axis."""
+    """Where a parameter lives. ``axes`` are the mesh axes whose ranks exchange its blocks (the
+    sharded ones; every axis for a fully replicated parameter); ``blocks`` has one block per rank
+    of the exchange group, in group-rank order; ``rank`` is this process's group rank."""
 
     mesh: DeviceMesh | None
-    axis: int | None
+    axes: tuple[int, ...]
     blocks: tuple[Block, ...]
-    rank: int  # this process's index along ``axis`` (0 when axis is None)
+    rank: int
+    group: dist.ProcessGroup | None
 
     @property
     def group_size(self) -> int:
         return len(self.blocks)
+
+    @property
+    def key(self) -> tuple:
+        """Parameters with equal keys share an exchange group (and a plan)."""
+        return (id(self.group), self.group_size)
 
 
 def local_of(t: Tensor) -> Tensor:
@@ -34,35 +45,70 @@ def local_of(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: Tensor) -> Tensor:
+    """The local gradient of ``p``, shaped like the local parameter (an empty FSDP2 piece may be
+    (0, 0) on one and (n, 0) on the other)."""
+    grad, param = local_of(p.grad), local_of(p)
+    return grad.reshape(param.shape) if grad.shape != param.shape and grad.numel() == 0 else grad
+
+
 def _unsupported(name: str, p: DTensor, why: str) -> ValueError:
     return ValueError(
         f"parameter '{name}' has placements {tuple(p.placements)} on mesh {p.device_mesh}: {why}. "
-        "muon_dtensor supports Replicate and Shard(dim) on a single sharded mesh axis (FSDP2 and "
-        "HSDP); redistribute the parameter or put it in an AdamW group"
+        "muon_dtensor supports Replicate, Shard(dim) and _StridedShard (FSDP2, HSDP, TP and FSDP x "
+        "TP); redistribute the parameter or put it in an AdamW group"
     )
 
 
-def describe(p: Tensor, name: str) -> ParamLayout:
-    """The layout of parameter ``p``; raises ValueError naming ``name`` for layouts not handled."""
-    if not isinstance(p, DTensor):
-        return ParamLayout(None, None, (full_block(p.shape),), 0)
-    mesh = p.device_mesh
-    shards: list[AxisShard] = []
+def _shards(p: DTensor, name: str) -> list[AxisShard]:
+    shards = []
     for axis, placement in enumerate(p.placements):
         if isinstance(placement, Replicate):
             continue
-        if type(placement) is not Shard:
-            raise _unsupported(name, p, f"placement {placement} on mesh axis {axis}")
-        shards.append(AxisShard(axis=axis, dim=placement.dim, size=mesh.size(axis)))
-    if len(shards) > 1:
-        raise _unsupported(name, p, "it is sharded on more than one mesh axis")
-    axis = shards[0].axis if shards else None
-    blocks = shard_blocks(p.shape, shards) if shards else (full_block(p.shape),)
-    rank = mesh.get_local_rank(axis) if axis is not None else 0
-    local_shape = tuple(p.to_local().shape)
-    if block_shape(blocks[rank]) != local_shape:
-        raise _unsupported(name, p, f"its local shape {local_shape} is not the expected chunk")
-    return ParamLayout(mesh, axis, blocks, rank)
+        if isinstance(placement, _StridedShard):
+            sf = int(placement.split_factor)
+            shards.append(AxisShard(axis, placement.dim, p.device_mesh.size(axis), sf))
+        elif type(placement) is Shard:
+            shards.append(AxisShard(axis, placement.dim, p.device_mesh.size(axis)))
+        else:
+            raise _unsupported(name, p, f"placement {placement} on mesh axis {axis} is not supported")
+    return shards
+
+
+def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGroup) -> list[int]:
+    """For each group rank, the flat (row-major over ``axes``) index of its block."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    index = [slice(None) if a in axes else coord[a] for a in range(mesh.ndim)]
+    flat_ranks = mesh.mesh[tuple(index)].reshape(-1).tolist()
+    return [flat_ranks.index(r) for r in dist.get_process_group_ranks(group)]
+
+
+def describe(p: Tensor, name: str, group: dist.ProcessGroup | None = None) -> ParamLayout:
+    """The layout of parameter ``p``; raises ValueError naming ``name`` for layouts not handled.
+
+    A plain tensor with ``group`` is replicated over that group (DDP); without, it is local.
+    """
+    if not isinstance(p, DTensor):
+        if group is None or dist.get_world_size(group) == 1:
+            return ParamLayout(None, (), (full_block(p.shape),), 0, None)
+        size = dist.get_world_size(group)
+        return ParamLayout(None, (), (full_block(p.shape),) * size, dist.get_rank(group), group)
+    mesh = p.device_mesh
+    shards = _shards(p, name)
+    # Fully replicated: the whole mesh shares the work (each rank holds every matrix whole).
+    axes = tuple(s.axis for s in shards) or tuple(range(mesh.ndim))
+    flat = shard_blocks(p.shape, shards) if shards else (full_block(p.shape),) * mesh.size()
+    if len(flat) == 1:
+        return ParamLayout(mesh, axes, flat, 0, None)
+    pg = exchange_group(mesh, axes)
+    blocks = tuple(flat[i] for i in _group_order(mesh, axes, pg))
+    rank = dist.get_rank(pg)
+    local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
+    # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
+    if local_shape != expected and (math.prod(local_shape) or math.prod(expected)):
+        raise _unsupported(name, p, f"its local shape {local_shape} on this rank is not the expected {expected}")
+    return ParamLayout(mesh, axes, blocks, rank, pg)
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
@@ -75,6 +121,6 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             a.device_mesh == b.device_mesh
             and tuple(a.placements) == tuple(b.placements)
             and a.shape == b.shape
-            and a.to_local().shape == b.to_local().shape
+            and (a.to_local().shape == b.to_local().shape or a.to_local().numel() == b.to_local().numel() == 0)
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)

@@ -32,6 +32,18 @@ class MatrixEntry:
 
     shape: tuple[int, int]
     blocks: tuple[Block, ...]
+    # Every rank holds the whole matrix (replicated DTensor, DDP): the owner needs no input from
+    # the others and only sends the result.
+    replicated: bool = False
+
+    @property
+    def holder(self) -> int | None:
+        """The one rank that holds this matrix whole while the others hold nothing (an expert of
+        an expert-parallel stack), or None. Such a matrix needs no communication at all."""
+        full = [r for r, b in enumerate(self.blocks) if block_numel(b) == self.shape[0] * self.shape[1]]
+        if len(full) == 1 and not any(block_numel(b) for r, b in enumerate(self.blocks) if r != full[0]):
+            return full[0]
+        return None
 
 
 @dataclass(frozen=True)
@@ -70,21 +82,28 @@ class Plan:
         total = 0
         for r in self.rounds:
             for member, owner in zip(r.members, r.owners):
-                blocks = self.entries[member].blocks
+                entry = self.entries[member]
+                blocks = entry.blocks
                 if owner == EVERYONE:
-                    total += (self.group_size - 1) * block_numel(blocks[rank])
+                    total += 0 if entry.replicated else (self.group_size - 1) * block_numel(blocks[rank])
                 elif owner == rank:
                     total += sum(block_numel(b) for r, b in enumerate(blocks) if r != rank)
-                else:
+                elif not entry.replicated:
                     total += block_numel(blocks[rank])
         return total * itemsize
 
 
 def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[list[int], list[int]]:
     costs = [ns_flops(e.shape) for e in entries]
-    order = sorted(range(len(entries)), key=lambda i: (-costs[i], i))
-    heap = [(0, rank) for rank in range(group_size)]
     owners = [0] * len(entries)
+    pinned = [0] * group_size
+    for i, e in enumerate(entries):  # a matrix held whole by one rank stays there
+        if e.holder is not None:
+            owners[i] = e.holder
+            pinned[e.holder] += costs[i]
+    order = sorted((i for i, e in enumerate(entries) if e.holder is None), key=lambda i: (-costs[i], i))
+    heap = [(pinned[rank], rank) for rank in range(group_size)]
+    heapq.heapify(heap)
     for i in order:
         load, rank = heapq.heappop(heap)
         owners[i] = rank

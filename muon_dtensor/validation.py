@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .comm import sum_over_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import sum_over_group, sum_over_mesh
 from .placement import same_layout
 
 __all__ = ["PreflightItem", "check_adamw_group", "check_muon_group", "check_muon_param", "preflight"]
@@ -63,14 +66,16 @@ def check_param(p: Tensor, name: str) -> None:
         )
 
 
-def check_muon_param(p: Tensor, name: str) -> None:
+def check_muon_param(p: Tensor, name: str, *, flatten: bool = False, experts: bool = False) -> None:
     check_param(p, name)
-    if p.ndim != 2:
-        raise ValueError(
-            f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
-            f"('{name}'); put it in a group with \"algorithm\": \"adamw\" "
-            "(muon_dtensor.split_params does this for a model)"
-        )
+    if p.ndim == 2 or (flatten and p.ndim > 2) or (experts and p.ndim == 3):
+        return
+    raise ValueError(
+        f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
+        f"('{name}'). For a conv weight set \"flatten\": True in its param group; for stacked "
+        "expert weights [E, m, n] set \"experts\": True; otherwise put it in a group with "
+        "\"algorithm\": \"adamw\" (muon_dtensor.split_params does this for a model)"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class PreflightItem:
     name: str
     param: Tensor
     grad: Tensor | None
+    # Who must agree on this parameter's gradient: a DeviceMesh, a ProcessGroup (DDP), or None.
+    scope: Any = None
 
 
 # Columns of the preflight count matrix, summed over ranks.
@@ -118,7 +125,7 @@ def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
             f"{_layout_text(item.grad)}); reduce or redistribute the gradient to the parameter's "
             "placements before step() (a Partial gradient must be reduced first)"
         )
-    if isinstance(item.param, DTensor) and 0 < present < ranks:
+    if item.scope is not None and 0 < present < ranks:
         raise RuntimeError(
             f"'{item.name}' has a gradient {where.format(present)}; a sharded parameter needs a "
             "gradient on every rank or on none. Make every rank run the same forward and backward, "
@@ -126,27 +133,35 @@ def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
         )
 
 
+def _sum(flags: Tensor, scope: Any) -> tuple[Tensor, int]:
+    if isinstance(scope, DeviceMesh):
+        return sum_over_mesh(flags, scope), scope.size()
+    import torch.distributed as dist
+
+    return sum_over_group(flags, scope), dist.get_world_size(scope)
+
+
 def preflight(items: Sequence[PreflightItem]) -> list[bool]:
     """Check every parameter on every rank; return which ones have a gradient to apply.
 
-    One all-reduce per axis of every mesh in use shares the per-rank facts; then all ranks decide
-    the same way. Raises on every rank if any rank's input is bad.
+    One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank facts;
+    then all ranks decide the same way. Raises on every rank if any rank's input is bad.
     """
     flags = _local_flags(items)
-    meshes = []
+    scopes: list[Any] = []
     for item in items:
-        if isinstance(item.param, DTensor) and item.param.device_mesh not in meshes:
-            meshes.append(item.param.device_mesh)
-    totals = [(sum_over_mesh(flags, m), m.size()) for m in meshes]
-    # Plain tensors take part in no collective, but a bad one on any rank must stop every rank.
+        if item.scope is not None and item.scope not in scopes:
+            scopes.append(item.scope)
+    totals = [_sum(flags, scope) for scope in scopes]
+    # A parameter that no collective involves still must not fail on one rank alone.
     any_bad = flags[:, 1:].clone()
     for summed, _ in totals:
         any_bad = torch.maximum(any_bad, summed[:, 1:])
     widest = max((size for _, size in totals), default=1)
     present: list[bool] = []
     for i, item in enumerate(items):
-        if isinstance(item.param, DTensor):
-            summed, ranks = totals[meshes.index(item.param.device_mesh)]
+        if item.scope is not None:
+            summed, ranks = totals[scopes.index(item.scope)]
             row = summed[i]
         else:
             row, ranks = torch.cat([flags[i, :1], any_bad[i]]), widest

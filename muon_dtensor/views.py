@@ -1,0 +1,109 @@
+"""The matrices of a parameter, and where each rank's piece of each sits: pure data.
+
+A 2-D parameter is one matrix. A 3-D parameter ``[E, m, n]`` is E expert matrices. A conv weight
+``(out, in, kh, kw)`` is one ``(out, in*kh*kw)`` matrix when its group says ``flatten=True``.
+``split_sizes`` cuts the rows of each matrix into blocks orthogonalized separately (a fused q/k/v).
+Each view carries its global shape, every group rank's block of it (for the plan) and where this
+rank's piece sits in its local tensor (for cutting the input and placing the result).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import Block, Interval
+
+__all__ = ["LocalCut", "View", "matrix_views"]
+
+_EMPTY: tuple[Interval, ...] = ((0, 0),)
+
+
+@dataclass(frozen=True)
+class LocalCut:
+    """This rank's piece of a view inside its local tensor: an index along the expert dimension
+    (3-D parameters), local row intervals, and all local columns (trailing dims flattened)."""
+
+    expert: int | None
+    rows: tuple[Interval, ...]
+
+
+@dataclass(frozen=True)
+class View:
+    shape: tuple[int, int]
+    blocks: tuple[Block, ...]  # per group rank, in the view's own coordinates
+    cut: LocalCut
+
+
+def _intersect(intervals: Sequence[Interval], lo: int, hi: int) -> tuple[tuple[Interval, ...], tuple[Interval, ...]]:
+    """Global intervals inside [lo, hi) shifted to the view, and their positions in the local tensor."""
+    view, local, offset = [], [], 0
+    for a, b in intervals:
+        x, y = max(a, lo), min(b, hi)
+        if x < y:
+            view.append((x - lo, y - lo))
+            local.append((offset + x - a, offset + y - a))
+        offset += b - a
+    return tuple(view) or _EMPTY, tuple(local) or _EMPTY
+
+
+def _flat_cols(block: Block, shape: Sequence[int], name: str) -> tuple[Interval, ...]:
+    """Column intervals of ``(out, prod(shape[1:]))`` from a block over ``shape``."""
+    inner = math.prod(shape[2:])
+    for d in range(2, len(shape)):
+        if block[d] != ((0, shape[d]),) and block[d] != _EMPTY:
+            raise ValueError(f"parameter '{name}' is sharded on dimension {d}; flatten=True needs dims >= 2 whole")
+    return tuple((a * inner, b * inner) for a, b in block[1])
+
+
+def _has(intervals: Sequence[Interval], index: int) -> int | None:
+    """Local position of global ``index`` in the concatenation of ``intervals``, or None."""
+    offset = 0
+    for a, b in intervals:
+        if a <= index < b:
+            return offset + index - a
+        offset += b - a
+    return None
+
+
+def matrix_views(
+    shape: Sequence[int],
+    blocks: Sequence[Block],
+    rank: int,
+    *,
+    name: str,
+    flatten: bool = False,
+    experts: bool = False,
+    split_sizes: Sequence[int] | None = None,
+) -> list[View]:
+    """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``."""
+    experts = experts and len(shape) == 3
+    rows_dim = 1 if experts else 0
+    rows = shape[rows_dim]
+    cols = shape[2] if experts else math.prod(shape[1:])
+    splits = list(split_sizes) if split_sizes else [rows]
+    if sum(splits) != rows or min(splits) <= 0:
+        raise ValueError(f"split_sizes {splits} of '{name}' must be positive and sum to its {rows} rows")
+    views = []
+    for e in range(shape[0]) if experts else [None]:
+        start = 0
+        for size in splits:
+            views.append(_view(shape, blocks, rank, e, start, start + size, cols, rows_dim, name))
+            start += size
+    return views
+
+
+def _view(shape, blocks, rank, expert, lo, hi, cols, rows_dim, name) -> View:
+    view_blocks = []
+    for block in blocks:
+        if expert is not None and _has(block[0], expert) is None:
+            view_blocks.append((_EMPTY, _EMPTY))
+            continue
+        col_iv = block[2] if expert is not None else (_flat_cols(block, shape, name) if len(shape) > 2 else block[1])
+        view_blocks.append((_intersect(block[rows_dim], lo, hi)[0], col_iv))
+    mine = blocks[rank]
+    local_expert = _has(mine[0], expert) if expert is not None else None
+    has_piece = expert is None or local_expert is not None
+    local_rows = _intersect(mine[rows_dim], lo, hi)[1] if has_piece else _EMPTY
+    return View((hi - lo, cols), tuple(view_blocks), LocalCut(local_expert, local_rows))

@@ -1,0 +1,33 @@
+"""Every sharding layout gives the one-process step exactly: TP, FSDP x TP, 3-D meshes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.workers_layouts import blocks_match_dtensor, tp_exactness
+
+LAYOUTS = [
+    ((4,), ("tp",)),
+    ((2, 2), ("dp", "tp")),
+    ((1, 4), ("dp", "tp")),
+    ((2, 1, 2), ("replicate", "shard", "tp")),
+    ((1, 2, 2), ("replicate", "shard", "tp")),
+]
+
+
+@pytest.mark.parametrize(("mesh_shape", "names"), LAYOUTS, ids=[str(m) for m, _ in LAYOUTS])
+def test_tp_layouts_equal_single_process(mesh_shape: tuple, names: tuple) -> None:
+    results = run_ranks(tp_exactness, 4, mesh_shape, names)
+    for rank, r in enumerate(results):
+        assert r["bad"] == [], f"rank {rank}: {r['bad']} (placements {r['placements']})"
+    if names == ("dp", "tp") and mesh_shape == (2, 2):
+        placements = results[0]["placements"]
+        assert "_StridedShard" in placements["w1.weight"], placements  # FSDP over colwise TP
+        assert placements["w2.weight"] == "(Shard(dim=0), Shard(dim=1))", placements
+
+
+@pytest.mark.parametrize(("mesh_shape", "names"), LAYOUTS[:3], ids=[str(m) for m, _ in LAYOUTS[:3]])
+def test_blocks_are_what_dtensor_holds(mesh_shape: tuple, names: tuple) -> None:
+    for rank, bad in enumerate(run_ranks(blocks_match_dtensor, 4, mesh_shape, names)):
+        assert bad == [], f"rank {rank}: {bad}"

@@ -1,0 +1,122 @@
+"""Rank functions for tensor parallel, FSDP x TP, 3-D meshes, DDP, experts, conv and fused weights."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from muon_dtensor import Muon, split_params
+from muon_dtensor.placement import describe
+
+
+class MLP(nn.Module):
+    """Uneven widths so TP and FSDP pieces are uneven; ``w3`` has fewer rows than ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(16, 38, bias=False)  # colwise
+        self.w2 = nn.Linear(38, 20, bias=False)  # rowwise
+        self.w3 = nn.Linear(20, 3, bias=False)  # colwise
+        self.w4 = nn.Linear(3, 16, bias=False)  # rowwise
+        self.norm = nn.LayerNorm(16)
+
+
+PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel(), "w4": RowwiseParallel()}
+
+
+def _shard(model: nn.Module, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> nn.Module:
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    if "tp" in names:
+        parallelize_module(model, mesh["tp"], PLAN)
+    dp = tuple(n for n in names if n != "tp")
+    if dp:
+        fully_shard(model, mesh=mesh[dp] if len(dp) > 1 else mesh[dp[0]])
+    return model
+
+
+def _grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + step)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+
+
+def _piece(full: torch.Tensor, block) -> torch.Tensor:
+    for d, intervals in enumerate(block):
+        full = full.index_select(d, torch.cat([torch.arange(a, b) for a, b in intervals]))
+    return full
+
+
+def _set(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Gradients cut from full tensors by our blocks (distribute_tensor refuses uneven strided
+    shards); blocks_match_dtensor checks those blocks against DTensor's own placement."""
+    for n, p in model.named_parameters():
+        g = grads[n].clone()
+        if isinstance(p, DTensor):
+            layout = describe(p, n)
+            local = _piece(g, layout.blocks[layout.rank]).contiguous()
+            g = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+        p.grad = g
+
+
+def _mine(t: torch.Tensor, ref: torch.Tensor, layout) -> bool:
+    """This rank's piece of ``t`` equals the same indices of the one-process ``ref``, bitwise.
+    (Local, with no collective: FSDP2 may hold an empty piece as (0, 0), which full_tensor trips on.)"""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if ref.ndim == 0:  # AdamW's step counter
+        return torch.equal(local, ref)
+    expected = _piece(ref, layout.blocks[layout.rank])
+    if local.numel() == 0 and expected.numel() == 0:
+        return True
+    return torch.equal(local, expected)
+
+
+def _compare(model, opt, ref, ref_opt) -> list[str]:
+    bad = []
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        layout = describe(p, n)
+        if not _mine(p.detach(), refs[n].detach(), layout):
+            bad.append(n)
+        for k, v in opt.state[p].items():
+            if not _mine(v, ref_opt.state[refs[n]][k], layout):
+                bad.append(f"{n}:{k}")
+    return bad
+
+
+def tp_exactness(mesh_shape: tuple[int, ...], names: tuple[str, ...], steps: int = 3) -> dict[str, Any]:
+    """FSDP x TP / TP / 3-D mesh parameters, stepped with the same full gradients as one process."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = _shard(copy.deepcopy(ref), mesh_shape, names)
+    opt, ref_opt = Muon(split_params(model), lr=0.02), Muon(split_params(ref), lr=0.02)
+    for step in range(steps):
+        grads = _grads(ref, step)
+        _set(model, grads)
+        _set(ref, grads)
+        opt.step()
+        ref_opt.step()
+    placements = {n: str(tuple(getattr(p, "placements", ()))) for n, p in model.named_parameters()}
+    return {"bad": _compare(model, opt, ref, ref_opt), "placements": placements}
+
+
+def blocks_match_dtensor(mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> list[str]:
+    """Our block of every parameter against what DTensor actually put on this rank: the global
+    tensor holds its own flat indices, so the local values name the indices this rank holds."""
+    torch.manual_seed(0)
+    model = MLP()
+    for p in model.parameters():
+        p.data = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+    model = _shard(model, mesh_shape, names)
+    bad = []
+    for n, p in model.named_parameters():
+        index = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+        if isinstance(p, DTensor) and not _mine(p.detach(), index, describe(p, n)):
+            bad.append(f"{n} {tuple(p.placements)}")
+    return bad
