@@ -119,7 +119,10 @@ def _to_blocks(
     """Step 4: my block of every matrix of ``rnd``, cut from the owners' results."""
     mine = rnd.owned_by(me)
     if plan.mode == "gather" or group is None or _all_local(plan, rnd):
-        return {m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine}
+        # All-local rounds: what others own, I hold none of.
+        out = {m: ref.new_empty(block_shape(plan.entries[m].blocks[me])) for m in rnd.members}
+        out.update({m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine})
+        return out
     size = plan.group_size
     back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
     from_owner = [
