@@ -8,14 +8,21 @@ so sending it halves the bytes and changes no bit of the result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CommStats", "all_to_all_chunks", "exchange_group", "sum_over_group", "sum_over_mesh"]
+__all__ = [
+    "CommStats",
+    "all_to_all_chunks",
+    "exchange_group",
+    "start_all_to_all",
+    "sum_over_group",
+    "sum_over_mesh",
+]
 
 # (mesh ranks, mesh shape, axes) -> this rank's group over those axes
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
@@ -30,6 +37,15 @@ class CommStats:
 
     def reset(self) -> None:
         self.sent = self.received = self.collectives = self.orthogonalized = 0
+        self.live_bytes = self.peak_bytes = 0
+
+    def hold(self, nbytes: int) -> None:
+        """Exchange buffers (sends, receives, assembled matrices) allocated; tracks the peak."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -80,6 +96,43 @@ def _prod(values) -> int:
     return out
 
 
+def start_all_to_all(
+    chunks: Sequence[Sequence[Tensor]],
+    recv_numels: Sequence[int],
+    *,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    stats: CommStats | None = None,
+) -> Callable[[], list[Tensor]]:
+    """Start sending ``chunks[d]`` (flattened, concatenated) to group rank ``d``; the returned
+    function waits and returns what each rank sent here. Work overlaps until then.
+
+    ``recv_numels[s]`` is how many elements group rank ``s`` sends here; every rank knows it from
+    the plan, so no size exchange precedes the data.
+    """
+    send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
+    flat = [c.reshape(-1).to(dtype) for per_dest in chunks for c in per_dest]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+    work = dist.all_to_all_single(recv, send, list(recv_numels), send_numels, group=group, async_op=True)
+    item = recv.element_size()
+    if stats is not None:
+        me = dist.get_rank(group)
+        stats.sent += (sum(send_numels) - send_numels[me]) * item
+        stats.received += (sum(recv_numels) - recv_numels[me]) * item
+        stats.collectives += 1
+        stats.hold((send.numel() + recv.numel()) * item)
+
+    def finish() -> list[Tensor]:
+        work.wait()
+        if stats is not None:
+            stats.release(send.numel() * item)  # ``send`` dies here; ``recv`` lives on in views
+        return list(recv.split(list(recv_numels)))
+
+    return finish
+
+
 def all_to_all_chunks(
     chunks: Sequence[Sequence[Tensor]],
     recv_numels: Sequence[int],
@@ -89,20 +142,5 @@ def all_to_all_chunks(
     device: torch.device,
     stats: CommStats | None = None,
 ) -> list[Tensor]:
-    """Send ``chunks[d]`` (flattened, concatenated) to group rank ``d``; return what each rank sent.
-
-    ``recv_numels[s]`` is how many elements group rank ``s`` sends here; every rank knows it from
-    the plan, so no size exchange precedes the data.
-    """
-    send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
-    flat = [c.reshape(-1).to(dtype) for per_dest in chunks for c in per_dest]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-    recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
-    dist.all_to_all_single(recv, send, list(recv_numels), send_numels, group=group)
-    if stats is not None:
-        me = dist.get_rank(group)
-        item = recv.element_size()
-        stats.sent += (sum(send_numels) - send_numels[me]) * item
-        stats.received += (sum(recv_numels) - recv_numels[me]) * item
-        stats.collectives += 1
-    return list(recv.split(list(recv_numels)))
+    """``start_all_to_all`` and wait."""
+    return start_all_to_all(chunks, recv_numels, group=group, dtype=dtype, device=device, stats=stats)()

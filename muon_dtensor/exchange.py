@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CommStats, all_to_all_chunks
+from .comm import CommStats, start_all_to_all
 from .layout import Block, block_numel, block_shape
 from .plan import EVERYONE, Plan, Round
 
@@ -73,14 +73,15 @@ def _all_local(plan: Plan, rnd: Round) -> bool:
     return plan.mode == "owner" and all(plan.entries[m].holder == o for m, o in zip(rnd.members, rnd.owners))
 
 
-def _to_owners(
+def _start_to_owners(
     plan: Plan, rnd: Round, me: int, local: dict[int, Tensor], group: dist.ProcessGroup | None,
     stats: CommStats | None,
-) -> Stacks:
-    """Steps 1-2: the full matrices this rank computes in ``rnd``, stacked by shape."""
+) -> Callable[[], Stacks]:
+    """Steps 1-2: start moving blocks to owners; the returned function waits and assembles the
+    full matrices this rank computes in ``rnd``, grouped by shape."""
     mine = rnd.owned_by(me)
     if group is None or _all_local(plan, rnd):
-        return {s: (ms, [local[m] for m in ms]) for s, ms in _by_shape(plan, mine).items()}
+        return lambda: {s: (ms, [local[m] for m in ms]) for s, ms in _by_shape(plan, mine).items()}
     size = plan.group_size
     # Replicated matrices are already whole on their owner: nothing to send for them.
     replicated = {m for m in rnd.members if plan.entries[m].replicated}
@@ -94,49 +95,69 @@ def _to_owners(
     recv_numels = [sum(block_numel(plan.entries[m].blocks[src]) for m in incoming) for src in range(size)]
     sample = local[rnd.members[0]]
     if len(replicated) == len(rnd.members):  # every rank knows this from the plan: skip together
-        received = [sample.new_empty(0)] * size
+        receive = lambda: [sample.new_empty(0)] * size  # noqa: E731
     else:
-        received = all_to_all_chunks(
-            sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
-        )
-    stacks: Stacks = {s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()}
-    where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
-    for member in replicated.intersection(mine):
-        where[member].copy_(local[member])
-    for src in range(size):
-        offset = 0
-        for member in incoming:
-            block = plan.entries[member].blocks[src]
-            _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
-            offset += block_numel(block)
-    return stacks
+        receive = start_all_to_all(sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats)
+
+    def finish() -> Stacks:
+        received = receive()
+        stacks: Stacks = {s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()}
+        where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
+        for member in replicated.intersection(mine):
+            where[member].copy_(local[member])
+        for src in range(size):
+            offset = 0
+            for member in incoming:
+                block = plan.entries[member].blocks[src]
+                _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
+                offset += block_numel(block)
+        if stats is not None:
+            stats.release(sum(recv_numels) * sample.element_size())
+        return stacks
+
+    return finish
 
 
-def _to_blocks(
+def _start_to_blocks(
     plan: Plan, rnd: Round, me: int, results: dict[int, Tensor], group: dist.ProcessGroup | None,
     stats: CommStats | None, ref: Tensor,
-) -> dict[int, Tensor]:
-    """Step 4: my block of every matrix of ``rnd``, cut from the owners' results."""
+) -> Callable[[], dict[int, Tensor]]:
+    """Step 4: start sending results back; the returned function waits and returns my block of
+    every matrix of ``rnd``."""
     mine = rnd.owned_by(me)
     if plan.mode == "gather" or group is None or _all_local(plan, rnd):
         # All-local rounds: what others own, I hold none of.
         out = {m: ref.new_empty(block_shape(plan.entries[m].blocks[me])) for m in rnd.members}
         out.update({m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine})
-        return out
+        return lambda: out
     size = plan.group_size
     back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
-    from_owner = [
-        sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)
-    ]
-    returned = all_to_all_chunks(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
-    out: dict[int, Tensor] = {}
-    for src in range(size):
-        offset = 0
-        for member in rnd.owned_by(src):
-            block = plan.entries[member].blocks[me]
-            out[member] = returned[src][offset : offset + block_numel(block)].view(block_shape(block))
-            offset += block_numel(block)
-    return out
+    from_owner = [sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)]
+    receive = start_all_to_all(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
+
+    def finish() -> dict[int, Tensor]:
+        returned = receive()
+        out: dict[int, Tensor] = {}
+        for src in range(size):
+            offset = 0
+            for member in rnd.owned_by(src):
+                block = plan.entries[member].blocks[me]
+                out[member] = returned[src][offset : offset + block_numel(block)].view(block_shape(block))
+                offset += block_numel(block)
+        if stats is not None:
+            stats.release(sum(from_owner) * ref.element_size())
+        return out
+
+    return finish
+
+
+def _compute(stacks: Stacks, orthogonalize: Orthogonalize, stats: CommStats | None) -> dict[int, Tensor]:
+    results: dict[int, Tensor] = {}
+    for members, fulls in stacks.values():
+        results.update(zip(members, orthogonalize(fulls)))
+        if stats is not None:
+            stats.orthogonalized += len(members)
+    return results
 
 
 def run_plan(
@@ -150,16 +171,27 @@ def run_plan(
 ) -> list[Tensor]:
     """Orthogonalize every matrix of ``plan``; ``local[i]`` is my block of entry ``i`` (NS dtype).
 
-    ``group`` is the exchange process group, or None when the group is this rank alone.
+    ``group`` is the exchange process group, or None when the group is this rank alone. Rounds are
+    pipelined: round k+1's blocks travel while round k is orthogonalized, and round k's results
+    travel back while round k+1 is; so at most two rounds' buffers are alive at once. Every rank
+    issues the collectives in the same order (in 0, in 1, out 0, in 2, out 1, ...).
     Returns my block of every orthogonalized matrix, in entry order.
     """
     by_index = dict(enumerate(local))
     out: dict[int, Tensor] = {}
-    for rnd in plan.rounds:
-        results: dict[int, Tensor] = {}
-        for members, fulls in _to_owners(plan, rnd, me, by_index, group, stats).values():
-            results.update(zip(members, orthogonalize(fulls)))
-            if stats is not None:
-                stats.orthogonalized += len(members)
-        out.update(_to_blocks(plan, rnd, me, results, group, stats, ref=by_index[rnd.members[0]]))
+    rounds = plan.rounds
+    if not rounds:
+        return []
+    inbound = _start_to_owners(plan, rounds[0], me, by_index, group, stats)
+    outbound: list[Callable[[], dict[int, Tensor]]] = []
+    for k, rnd in enumerate(rounds):
+        stacks = inbound()
+        if k + 1 < len(rounds):
+            inbound = _start_to_owners(plan, rounds[k + 1], me, by_index, group, stats)
+        results = _compute(stacks, orthogonalize, stats)
+        outbound.append(_start_to_blocks(plan, rnd, me, results, group, stats, ref=by_index[rnd.members[0]]))
+        if len(outbound) > 1:
+            out.update(outbound.pop(0)())
+    for finish in outbound:
+        out.update(finish())
     return [out[i] for i in range(len(local))]

@@ -107,6 +107,7 @@ class Muon(Optimizer):
             "flatten": False,
             "experts": False,
             "split_sizes": None,
+            "max_round_bytes": max_round_bytes,
         }
         check_muon_group(defaults)
         resolve_ns_config(ns_coefficients, ns_steps, eps)
@@ -114,7 +115,6 @@ class Muon(Optimizer):
         self._views: dict[Tensor, list[View]] = {}
         self._plans: dict[tuple, list[Domain]] = {}
         self._process_group = process_group
-        self._max_round_bytes = max_round_bytes
         self.comm_stats = CommStats()
         super().__init__(params, defaults)
 
@@ -253,12 +253,12 @@ class Muon(Optimizer):
         return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
     def _domains(self, group: dict[str, Any], gi: int, todo: list[int]) -> list[Domain]:
-        key = (gi, tuple(todo), group["mode"])
+        key = (gi, tuple(todo), group["mode"], group["max_round_bytes"])
         if key not in self._plans:
             params = [group["params"][pi] for pi in todo]
             self._plans[key] = build_domains(
                 [self._layouts[p] for p in params], [self._views[p] for p in params],
-                group["mode"], self._max_round_bytes,
+                group["mode"], group["max_round_bytes"],
             )
         return self._plans[key]
 

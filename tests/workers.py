@@ -65,7 +65,7 @@ def _fit(placements: tuple, ndim: int) -> tuple:
     return tuple(Shard(0) if isinstance(p, Shard) and p.dim >= ndim else p for p in placements)
 
 
-def sharded_step(mesh_shape, placements, steps: int, seed: int = 0, **muon_kwargs: Any):
+def sharded_step(mesh_shape, placements, steps: int, seed: int = 0, **muon_kwargs: Any):  # noqa: ANN201
     mesh = init_device_mesh("cpu", mesh_shape)
     fulls, grads = _tensors(seed, steps)
     params = [
@@ -93,10 +93,12 @@ def exactness(steps: int = 3) -> dict[str, Any]:
     for ns_dtype in (torch.bfloat16, torch.float32):
         ref_params, ref_bufs = reference_step(steps, ns_dtype=ns_dtype)
         for name, (mesh_shape, placements) in layouts(world_size).items():
-            for mode in ("owner", "gather"):
-                if ns_dtype == torch.float32 and mode == "gather":
+            # "rounds": owner mode pipelined over many small exchange rounds.
+            for mode in ("owner", "gather", "rounds"):
+                if ns_dtype == torch.float32 and mode != "owner":
                     continue
-                params, bufs, opt = sharded_step(mesh_shape, placements, steps, ns_dtype=ns_dtype, mode=mode)
+                extra = {"mode": "owner", "max_round_bytes": 6000} if mode == "rounds" else {"mode": mode}
+                params, bufs, opt = sharded_step(mesh_shape, placements, steps, ns_dtype=ns_dtype, **extra)
                 key = f"{name}/{mode}/{str(ns_dtype).removeprefix('torch.')}"
                 out[key] = {
                     "params": _mismatches(params, ref_params),
@@ -106,5 +108,6 @@ def exactness(steps: int = 3) -> dict[str, Any]:
                         for b, p in zip(bufs, params)
                     ),
                     "sent": opt.comm_stats.sent,
+                    "collectives": opt.comm_stats.collectives,
                 }
     return out
