@@ -111,7 +111,11 @@ def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Pa
 
 
 def _finalize(
-    tmp: Path, final: Path, step: int, extra: dict[str, Any] | None, keep_last: int | None,
+    tmp: Path,
+    final: Path,
+    step: int,
+    extra: dict[str, Any] | None,
+    keep_last: int | None,
     group: dist.ProcessGroup | None,
 ) -> Path:
     """Checksums from every rank, then rank 0 publishes: manifest, rename, prune."""
@@ -119,8 +123,13 @@ def _finalize(
     mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
     records = {k: v for part in _gather(mine, group) for k, v in part.items()}
     if rank == 0:
-        info = {"step": step, "extra": extra or {}, "world_size": world, "time": time.time(),
-                "torch": torch.__version__}
+        info = {
+            "step": step,
+            "extra": extra or {},
+            "world_size": world,
+            "time": time.time(),
+            "torch": torch.__version__,
+        }
         _publish(tmp, final, records, info)
         if keep_last is not None:
             for old in complete_steps(final.parent)[:-keep_last]:
@@ -192,7 +201,9 @@ def async_save_checkpoint(
     ``wait()`` on the result (every rank) before the next save and before exiting."""
     group = _save_group(process_group)
     tmp, final = _prepare(Path(root), step, group)
-    future = dcp.async_save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo())
+    future = dcp.async_save(
+        _state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
+    )
     return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group))
 
 

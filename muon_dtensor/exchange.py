@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -36,7 +35,12 @@ def _pieces(block: Block) -> list[tuple[slice, slice, slice, slice]]:
         local_c = 0
         for c0, c1 in block[1]:
             out.append(
-                (slice(r0, r1), slice(c0, c1), slice(local_r, local_r + r1 - r0), slice(local_c, local_c + c1 - c0))
+                (
+                    slice(r0, r1),
+                    slice(c0, c1),
+                    slice(local_r, local_r + r1 - r0),
+                    slice(local_c, local_c + c1 - c0),
+                )
             )
             local_c += c1 - c0
         local_r += r1 - r0
@@ -74,7 +78,11 @@ def _all_local(plan: Plan, rnd: Round) -> bool:
 
 
 def _start_to_owners(
-    plan: Plan, rnd: Round, me: int, local: dict[int, Tensor], group: dist.ProcessGroup | None,
+    plan: Plan,
+    rnd: Round,
+    me: int,
+    local: dict[int, Tensor],
+    group: dist.ProcessGroup | None,
     stats: CommStats | None,
 ) -> Callable[[], Stacks]:
     """Steps 1-2: start moving blocks to owners; the returned function waits and assembles the
@@ -97,11 +105,15 @@ def _start_to_owners(
     if len(replicated) == len(rnd.members):  # every rank knows this from the plan: skip together
         receive = lambda: [sample.new_empty(0)] * size  # noqa: E731
     else:
-        receive = start_all_to_all(sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats)
+        receive = start_all_to_all(
+            sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
+        )
 
     def finish() -> Stacks:
         received = receive()
-        stacks: Stacks = {s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()}
+        stacks: Stacks = {
+            s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()
+        }
         where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
         for member in replicated.intersection(mine):
             where[member].copy_(local[member])
@@ -119,8 +131,13 @@ def _start_to_owners(
 
 
 def _start_to_blocks(
-    plan: Plan, rnd: Round, me: int, results: dict[int, Tensor], group: dist.ProcessGroup | None,
-    stats: CommStats | None, ref: Tensor,
+    plan: Plan,
+    rnd: Round,
+    me: int,
+    results: dict[int, Tensor],
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None,
+    ref: Tensor,
 ) -> Callable[[], dict[int, Tensor]]:
     """Step 4: start sending results back; the returned function waits and returns my block of
     every matrix of ``rnd``."""
@@ -132,7 +149,9 @@ def _start_to_blocks(
         return lambda: out
     size = plan.group_size
     back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
-    from_owner = [sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)]
+    from_owner = [
+        sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)
+    ]
     receive = start_all_to_all(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
 
     def finish() -> dict[int, Tensor]:

@@ -83,7 +83,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         return json.loads((folder / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{folder / MANIFEST}: unreadable manifest ({e}); the save did not finish") from e
+        raise CheckpointError(
+            f"{folder / MANIFEST}: unreadable manifest ({e}); the save did not finish"
+        ) from e
 
 
 def verify_files(folder: Path, names: Iterable[str], manifest: Mapping[str, Any]) -> list[str]:

@@ -89,7 +89,9 @@ def _judge(tmp: Path, world_size: int, hung: bool, timeout: float) -> list[Any]:
     if errors:
         # A rank's own error first; "Connection reset" is usually another rank's consequence.
         first = min(errors, key=lambda k: ("Connection reset" in errors[k], k))
-        rest = "".join(f"\n--- also {k}: {v.strip().splitlines()[-1]}" for k, v in errors.items() if k != first)
+        rest = "".join(
+            f"\n--- also {k}: {v.strip().splitlines()[-1]}" for k, v in errors.items() if k != first
+        )
         others = f"\nranks without a result: {silent}\n{_stderr(tmp, silent)}" if silent else ""
         raise RankError(f"{first} failed{' (others hung)' if hung else ''}:\n{errors[first]}{rest}{others}")
     if silent:
@@ -111,9 +113,7 @@ def _worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
-        )
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
         module, name = spec.split(":")
         fn = getattr(importlib.import_module(module), name)
         args = pickle.loads(Path(tmp, "args.pkl").read_bytes())

@@ -68,7 +68,11 @@ def _apply(intervals: tuple[Interval, ...], shard: AxisShard, coord: int) -> tup
         return _chunk(intervals, shard.size, coord)
     out: list[Interval] = []
     for piece in range(shard.split_factor):
-        out += [iv for iv in _chunk(_chunk(intervals, shard.split_factor, piece), shard.size, coord) if iv[0] < iv[1]]
+        out += [
+            iv
+            for iv in _chunk(_chunk(intervals, shard.split_factor, piece), shard.size, coord)
+            if iv[0] < iv[1]
+        ]
     return tuple(out) if out else ((0, 0),)
 
 

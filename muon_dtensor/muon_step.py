@@ -101,12 +101,16 @@ def muon_step(
     stats: CommStats | None = None,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place."""
-    ns_in = [muon_momentum(b, g, hyper.momentum, hyper.nesterov).to(config.dtype) for b, g in zip(bufs, grads)]
+    ns_in = [
+        muon_momentum(b, g, hyper.momentum, hyper.nesterov).to(config.dtype) for b, g in zip(bufs, grads)
+    ]
     updates = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
     ortho = partial(orthogonalize, config=config)
     for domain in domains:
         pieces = [cut(ns_in[pos], views[pos][vi].cut) for pos, vi in domain.members]
-        outs = run_plan(domain.plan, domain.layout.rank, pieces, ortho, group=domain.layout.group, stats=stats)
+        outs = run_plan(
+            domain.plan, domain.layout.rank, pieces, ortho, group=domain.layout.group, stats=stats
+        )
         for (pos, vi), out in zip(domain.members, outs):
             view = views[pos][vi]
             scale = adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape)

@@ -19,7 +19,6 @@ from .muon_step import Domain, MuonHyper, build_domains, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, resolve_ns_config
 from .placement import ParamLayout, describe, local_grad, local_of
 from .update import adamw_update
-from .views import View, matrix_views
 from .validation import (
     PreflightItem,
     check_adamw_group,
@@ -28,6 +27,7 @@ from .validation import (
     check_param,
     preflight,
 )
+from .views import View, matrix_views
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
@@ -170,8 +170,13 @@ class Muon(Optimizer):
                 layout = describe(p, name, self._process_group)
                 self._layouts[p] = layout
                 self._views[p] = matrix_views(
-                    p.shape, layout.blocks, layout.rank, name=name, flatten=group["flatten"],
-                    experts=group["experts"], split_sizes=group["split_sizes"],
+                    p.shape,
+                    layout.blocks,
+                    layout.rank,
+                    name=name,
+                    flatten=group["flatten"],
+                    experts=group["experts"],
+                    split_sizes=group["split_sizes"],
                 )
             except ValueError as e:
                 error = error or e
@@ -257,15 +262,21 @@ class Muon(Optimizer):
         if key not in self._plans:
             params = [group["params"][pi] for pi in todo]
             self._plans[key] = build_domains(
-                [self._layouts[p] for p in params], [self._views[p] for p in params],
-                group["mode"], group["max_round_bytes"],
+                [self._layouts[p] for p in params],
+                [self._views[p] for p in params],
+                group["mode"],
+                group["max_round_bytes"],
             )
         return self._plans[key]
 
     def _muon_step(self, group: dict[str, Any], gi: int, todo: list[int], config: NSConfig) -> None:
         params = [group["params"][pi] for pi in todo]
         hyper = MuonHyper(
-            float(group["lr"]), group["weight_decay"], group["momentum"], group["nesterov"], group["adjust_lr_fn"]
+            float(group["lr"]),
+            group["weight_decay"],
+            group["momentum"],
+            group["nesterov"],
+            group["adjust_lr_fn"],
         )
         muon_step(
             [local_of(p) for p in params],

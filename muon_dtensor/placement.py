@@ -95,6 +95,8 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None = None) -> Pa
         size = dist.get_world_size(group)
         return ParamLayout(None, (), (full_block(p.shape),) * size, dist.get_rank(group), group)
     mesh = p.device_mesh
+    if mesh.get_coordinate() is None:
+        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
     shards = _shards(p, name)
     # Fully replicated: the whole mesh shares the work (each rank holds every matrix whole).
     axes = tuple(s.axis for s in shards) or tuple(range(mesh.ndim))
@@ -107,7 +109,9 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None = None) -> Pa
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
     if local_shape != expected and (math.prod(local_shape) or math.prod(expected)):
-        raise _unsupported(name, p, f"its local shape {local_shape} on this rank is not the expected {expected}")
+        raise _unsupported(
+            name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
+        )
     return ParamLayout(mesh, axes, blocks, rank, pg)
 
 
@@ -121,6 +125,8 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             a.device_mesh == b.device_mesh
             and tuple(a.placements) == tuple(b.placements)
             and a.shape == b.shape
-            and (a.to_local().shape == b.to_local().shape or a.to_local().numel() == b.to_local().numel() == 0)
+            and (
+                a.to_local().shape == b.to_local().shape or a.to_local().numel() == b.to_local().numel() == 0
+            )
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)

@@ -117,7 +117,9 @@ def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: boo
             piece = f.get_slice(name)
             shape = tuple(piece.get_shape())
             if shape != tuple(p.shape):
-                raise CheckpointError(f"{files[name]}: '{name}' has shape {shape}, the model {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{files[name]}: '{name}' has shape {shape}, the model {tuple(p.shape)}"
+                )
             layout = describe(p, name)
             local_of(p).copy_(_read_block(piece, layout.blocks[layout.rank], shape))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 __all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum"]
@@ -72,4 +71,3 @@ def adamw_update(
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
     param.sub_(exp_avg.div(denom).mul_(lr / bias_correction1))
-

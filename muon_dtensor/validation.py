@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .comm import sum_over_group, sum_over_mesh
 from .placement import same_layout
@@ -27,16 +26,16 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 def _check_lr(lr: float | Tensor) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
+    if not lr >= 0.0:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
 
 
 def check_muon_group(group: Mapping) -> None:
     """torch.optim.Muon's argument checks, with its messages."""
     _check_lr(group["lr"])
-    if not 0.0 <= group["momentum"]:
+    if not group["momentum"] >= 0.0:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
-    if not 0.0 <= group["weight_decay"]:
+    if not group["weight_decay"] >= 0.0:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
@@ -47,14 +46,14 @@ def check_muon_group(group: Mapping) -> None:
 def check_adamw_group(group: Mapping) -> None:
     """torch.optim.AdamW's argument checks, with its messages."""
     _check_lr(group["lr"])
-    if not 0.0 <= group["eps"]:
+    if not group["eps"] >= 0.0:
         raise ValueError(f"Invalid epsilon value: {group['eps']}")
     beta1, beta2 = group["betas"]
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    if not 0.0 <= group["weight_decay"]:
+    if not group["weight_decay"] >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
 
 
@@ -73,8 +72,8 @@ def check_muon_param(p: Tensor, name: str, *, flatten: bool = False, experts: bo
     raise ValueError(
         f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
         f"('{name}'). For a conv weight set \"flatten\": True in its param group; for stacked "
-        "expert weights [E, m, n] set \"experts\": True; otherwise put it in a group with "
-        "\"algorithm\": \"adamw\" (muon_dtensor.split_params does this for a model)"
+        'expert weights [E, m, n] set "experts": True; otherwise put it in a group with '
+        '"algorithm": "adamw" (muon_dtensor.split_params does this for a model)'
     )
 
 

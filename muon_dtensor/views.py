@@ -36,7 +36,9 @@ class View:
     cut: LocalCut
 
 
-def _intersect(intervals: Sequence[Interval], lo: int, hi: int) -> tuple[tuple[Interval, ...], tuple[Interval, ...]]:
+def _intersect(
+    intervals: Sequence[Interval], lo: int, hi: int
+) -> tuple[tuple[Interval, ...], tuple[Interval, ...]]:
     """Global intervals inside [lo, hi) shifted to the view, and their positions in the local tensor."""
     view, local, offset = [], [], 0
     for a, b in intervals:
@@ -53,7 +55,9 @@ def _flat_cols(block: Block, shape: Sequence[int], name: str) -> tuple[Interval,
     inner = math.prod(shape[2:])
     for d in range(2, len(shape)):
         if block[d] != ((0, shape[d]),) and block[d] != _EMPTY:
-            raise ValueError(f"parameter '{name}' is sharded on dimension {d}; flatten=True needs dims >= 2 whole")
+            raise ValueError(
+                f"parameter '{name}' is sharded on dimension {d}; flatten=True needs dims >= 2 whole"
+            )
     return tuple((a * inner, b * inner) for a, b in block[1])
 
 
@@ -100,7 +104,11 @@ def _view(shape, blocks, rank, expert, lo, hi, cols, rows_dim, name) -> View:
         if expert is not None and _has(block[0], expert) is None:
             view_blocks.append((_EMPTY, _EMPTY))
             continue
-        col_iv = block[2] if expert is not None else (_flat_cols(block, shape, name) if len(shape) > 2 else block[1])
+        col_iv = (
+            block[2]
+            if expert is not None
+            else (_flat_cols(block, shape, name) if len(shape) > 2 else block[1])
+        )
         view_blocks.append((_intersect(block[rows_dim], lo, hi)[0], col_iv))
     mine = blocks[rank]
     local_expert = _has(mine[0], expert) if expert is not None else None

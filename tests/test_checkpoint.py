@@ -26,7 +26,14 @@ def _ranks(layout: str) -> int:
 
 @pytest.mark.parametrize(
     ("saved_on", "resumed_on"),
-    [("fsdp2", "fsdp2"), ("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("fsdp2", "fsdp1"), ("fsdp1", "fsdp2"), ("fsdp4", "hsdp")],
+    [
+        ("fsdp2", "fsdp2"),
+        ("fsdp4", "fsdp2"),
+        ("fsdp2", "fsdp4"),
+        ("fsdp2", "fsdp1"),
+        ("fsdp1", "fsdp2"),
+        ("fsdp4", "hsdp"),
+    ],
 )
 def test_resume_on_any_layout(saved_on: str, resumed_on: str, tmp_path) -> None:
     """Gradients here are the same full tensors on every layout, so every run is bitwise the
@@ -87,7 +94,10 @@ def test_corrupted_and_truncated_files_are_named(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("kind", "pattern"),
     [
-        ("other_model", r"Missing from the checkpoint: model\.0\.bias.*Unexpected in the checkpoint: .*model\.embed\.weight"),
+        (
+            "other_model",
+            r"Missing from the checkpoint: model\.0\.bias.*Unexpected in the checkpoint: .*model\.embed\.weight",
+        ),
         ("shape", r"shape mismatch: model\.layers\.3\.bias: saved \(24,\), expected \(25,\)"),
         ("groups", r"Missing from the checkpoint: .*exp_avg"),
     ],
@@ -101,9 +111,8 @@ def test_incompatible_checkpoint_loads_nothing(kind: str, pattern: str, tmp_path
 
 
 def test_keep_last_and_never_overwrite(tmp_path) -> None:
-    from tests.workers_fsdp import build
-
     from muon_dtensor import Muon, split_params
+    from tests.workers_fsdp import build
 
     model = build(None)
     opt = Muon(split_params(model))

@@ -20,4 +20,7 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
     if world_size > 1:
         assert results[0]["fsdp/owner/bfloat16"]["sent"] > 0, "owner mode moved no data"
         # small rounds really split the exchange (2 all-to-alls per round and step)
-        assert results[0]["fsdp/rounds/bfloat16"]["collectives"] > 2 * results[0]["fsdp/owner/bfloat16"]["collectives"]
+        assert (
+            results[0]["fsdp/rounds/bfloat16"]["collectives"]
+            > 2 * results[0]["fsdp/owner/bfloat16"]["collectives"]
+        )

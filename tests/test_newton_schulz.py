@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from muon_dtensor.newton_schulz import (
     BAND_INPUT_FLOOR,
@@ -12,7 +13,6 @@ from muon_dtensor.newton_schulz import (
     resolve_ns_config,
     scalar_map,
 )
-from torch.optim._muon import _zeropower_via_newtonschulz
 
 
 def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:
@@ -25,8 +25,14 @@ def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch
 
 def _inputs() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    rand = [torch.randn(s, dtype=torch.float64, generator=gen) for s in [(64, 64), (32, 96), (96, 32), (128, 384)]]
-    ill = [_ill_conditioned(64, 128, 1e3, gen), _ill_conditioned(128, 64, 1e2, gen), _ill_conditioned(96, 96, 1e4, gen)]
+    rand = [
+        torch.randn(s, dtype=torch.float64, generator=gen) for s in [(64, 64), (32, 96), (96, 32), (128, 384)]
+    ]
+    ill = [
+        _ill_conditioned(64, 128, 1e3, gen),
+        _ill_conditioned(128, 64, 1e2, gen),
+        _ill_conditioned(96, 96, 1e4, gen),
+    ]
     return rand + ill
 
 
@@ -76,7 +82,9 @@ def test_result_of_a_matrix_does_not_depend_on_its_batch(dtype: torch.dtype, sha
 
 def test_zero_input_gives_zero_not_nan() -> None:
     config = resolve_ns_config("keller", 5, 1e-7)
-    assert torch.equal(newton_schulz(torch.zeros(2, 8, 16), config), torch.zeros(2, 8, 16, dtype=torch.bfloat16))
+    assert torch.equal(
+        newton_schulz(torch.zeros(2, 8, 16), config), torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    )
 
 
 def test_per_step_list_repeats_its_last_triple() -> None:

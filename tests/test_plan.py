@@ -15,7 +15,15 @@ from muon_dtensor.plan import EVERYONE, MatrixEntry, build_plan
 
 # Llama-3-8B hidden matrices: 32 layers of q, o (4096x4096), k, v (1024x4096), gate, up (14336x4096),
 # down (4096x14336) (Meta's params.json: dim 4096, n_kv_heads 8, ffn 14336).
-LLAMA3_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+LLAMA3_8B = [
+    (4096, 4096),
+    (1024, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (14336, 4096),
+    (14336, 4096),
+    (4096, 14336),
+]
 
 
 def _entries(shapes: list[tuple[int, int]], ranks: int) -> list[MatrixEntry]:
@@ -93,7 +101,9 @@ def test_bad_plan_arguments_are_rejected() -> None:
 def test_blocks_match_dtensor_local_shapes_and_offsets(shape: tuple, mesh_shape: tuple) -> None:
     """Our blocks against DTensor's own chunking, for every coordinate, with uneven and empty pieces."""
     for placements in itertools.product([Replicate(), Shard(0), Shard(1)], repeat=len(mesh_shape)):
-        shards = [AxisShard(a, p.dim, mesh_shape[a]) for a, p in enumerate(placements) if isinstance(p, Shard)]
+        shards = [
+            AxisShard(a, p.dim, mesh_shape[a]) for a, p in enumerate(placements) if isinstance(p, Shard)
+        ]
         sharded_axes = [s.axis for s in shards]
         blocks = shard_blocks(shape, shards)
         for coord in itertools.product(*(range(n) for n in mesh_shape)):

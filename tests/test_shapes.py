@@ -8,7 +8,14 @@ from torch import nn
 
 from muon_dtensor import Muon
 from tests.distributed import run_ranks
-from tests.workers_shapes import SHAPES, conv_and_fused, ddp_replicated, ddp_restore_from_one_rank, experts, replicated_dtensor
+from tests.workers_shapes import (
+    SHAPES,
+    conv_and_fused,
+    ddp_replicated,
+    ddp_restore_from_one_rank,
+    experts,
+    replicated_dtensor,
+)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

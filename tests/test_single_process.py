@@ -68,7 +68,12 @@ def test_tracks_torch_optim_adamw() -> None:
 def test_adamw_group_defaults_are_torch_adamw_defaults() -> None:
     opt = Muon([{"params": [nn.Parameter(torch.randn(3))], "algorithm": "adamw"}], lr=5e-3)
     group = opt.param_groups[0]
-    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (5e-3, (0.9, 0.999), 1e-8, 1e-2)
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        5e-3,
+        (0.9, 0.999),
+        1e-8,
+        1e-2,
+    )
 
 
 def test_raises_what_torch_optim_muon_raises() -> None:
@@ -129,7 +134,11 @@ def test_state_is_created_eagerly_and_skipped_params_stay_untouched() -> None:
     before = a.detach().clone()
     b.grad = torch.randn(5)
     opt.step()
-    assert torch.equal(a, before) and int(opt.state[b]["step"]) == 1 and int(opt.state[a]["momentum_buffer"].abs().sum()) == 0
+    assert (
+        torch.equal(a, before)
+        and int(opt.state[b]["step"]) == 1
+        and int(opt.state[a]["momentum_buffer"].abs().sum()) == 0
+    )
 
 
 def test_zero_gradient_step_with_lr_zero_changes_nothing() -> None:

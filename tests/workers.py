@@ -68,9 +68,7 @@ def _fit(placements: tuple, ndim: int) -> tuple:
 def sharded_step(mesh_shape, placements, steps: int, seed: int = 0, **muon_kwargs: Any):  # noqa: ANN201
     mesh = init_device_mesh("cpu", mesh_shape)
     fulls, grads = _tensors(seed, steps)
-    params = [
-        nn.Parameter(distribute_tensor(f.clone(), mesh, _fit(placements, f.ndim))) for f in fulls
-    ]
+    params = [nn.Parameter(distribute_tensor(f.clone(), mesh, _fit(placements, f.ndim))) for f in fulls]
     opt = Muon(_groups(params, **muon_kwargs), lr=0.02)
     for step_grads in grads:
         for p, g in zip(params, step_grads):

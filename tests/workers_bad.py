@@ -17,15 +17,17 @@ def _mesh(shape: tuple[int, ...] | None = None):
     return init_device_mesh("cpu", shape or (dist.get_world_size(),))
 
 
-def _param(shape, mesh, placements=(Shard(0),)) -> nn.Parameter:
+def _param(shape, mesh, placements=None) -> nn.Parameter:
     torch.manual_seed(0)
-    return nn.Parameter(distribute_tensor(torch.randn(shape), mesh, list(placements)))
+    return nn.Parameter(distribute_tensor(torch.randn(shape), mesh, list(placements or [Shard(0)])))
 
 
 def _grad_like(p: nn.Parameter) -> DTensor:
     """A gradient built from the local shard alone: no collective, so one rank may make it alone."""
     local = torch.ones(p.to_local().shape)
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+    )
 
 
 def _two(mesh) -> list[tuple[str, nn.Parameter]]:

@@ -77,7 +77,10 @@ def bytes_per_rank(root: str) -> dict[str, int]:
     rank = dist.get_rank()
     mine = sum(p.stat().st_size for p in Path(root).glob(f"__{rank}_*.distcp"))
     state = sum(
-        v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, DTensor)
+        v.to_local().numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, DTensor)
     )
     return {"file_bytes": mine, "local_state_bytes": state}
 
@@ -91,6 +94,7 @@ def crash_during_save(root: str) -> None:
     ckpt.save_checkpoint(root, 2, model, opt)
     _run(model, opt, range(2, 4))
     if dist.get_rank() == 1:
+
         def die(path: Path) -> dict[str, int]:
             os._exit(17)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -153,4 +152,3 @@ def resume_exactness(mesh_shape: tuple[int, ...], path: str, total: int = 4, spl
     for step in range(split, total):
         _train_step(resumed, resumed_opt, _batch(step, rank, world, 4))
     return bad + _mismatched(resumed, resumed_opt, straight, straight_opt)
-

@@ -22,8 +22,14 @@ def config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 
@@ -67,7 +73,10 @@ def train(model: nn.Module, opt: Muon, steps: range) -> list[float]:
 
 
 def full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def uninterrupted(total: int) -> dict[str, Any]:

@@ -6,7 +6,6 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -61,7 +60,9 @@ def _set(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
         if isinstance(p, DTensor):
             layout = describe(p, n)
             local = _piece(g, layout.blocks[layout.rank]).contiguous()
-            g = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            g = DTensor.from_local(
+                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
         p.grad = g
 
 

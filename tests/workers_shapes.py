@@ -19,7 +19,9 @@ SHAPES = [(24, 40)] * 5 + [(40, 24), (7, 9)]
 
 def _data(shapes, steps: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen) for s in shapes], [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    return [torch.randn(s, generator=gen) for s in shapes], [
+        [torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)
+    ]
 
 
 def _run(params, grads_per_step, opt, place) -> None:
@@ -52,7 +54,8 @@ def ddp_replicated(steps: int = 3) -> dict[str, Any]:
     opt.comm_stats.reset()
     _run(params, grads[-1:], opt, lambda p, g: g)
     exact = all(_equal(p, q) for p, q in zip(params, ref)) and all(
-        torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]) for p, q in zip(params, ref)
+        torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+        for p, q in zip(params, ref)
     )
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)  # this rank's state_dict alone
@@ -78,7 +81,10 @@ def replicated_dtensor(steps: int = 2) -> dict[str, Any]:
     params = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Replicate()])) for f in fulls]
     opt = Muon(params, lr=0.02)
     _run(params, grads, opt, lambda p, g: distribute_tensor(g, mesh, [Replicate()]))
-    return {"exact": all(_equal(p, q) for p, q in zip(params, ref)), "orthogonalized": opt.comm_stats.orthogonalized}
+    return {
+        "exact": all(_equal(p, q) for p, q in zip(params, ref)),
+        "orthogonalized": opt.comm_stats.orthogonalized,
+    }
 
 
 def experts(dim: int, steps: int = 2) -> dict[str, Any]:
