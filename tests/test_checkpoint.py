@@ -128,3 +128,20 @@ def test_async_save_while_training(tmp_path) -> None:
     from tests.workers_ckpt import async_save_while_training
 
     assert run_ranks(async_save_while_training, 2, str(tmp_path)) == [True, True]
+
+
+def test_checkpoint_at_step_zero(tmp_path) -> None:
+    """State exists before the first step, so a step-0 checkpoint is complete and loads."""
+    from tests.workers_fsdp import build
+
+    from muon_dtensor import Muon, split_params
+
+    model = build(None)
+    opt = Muon(split_params(model))
+    ckpt.save_checkpoint(tmp_path, 0, model, opt)
+    fresh = build(None, seed=3)
+    fresh_opt = Muon(split_params(fresh))
+    assert ckpt.load_checkpoint(tmp_path, fresh, fresh_opt) == {"step": 0}
+    for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q)
+        assert set(opt.state[p]) == set(fresh_opt.state[q])

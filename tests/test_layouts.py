@@ -31,3 +31,13 @@ def test_tp_layouts_equal_single_process(mesh_shape: tuple, names: tuple) -> Non
 def test_blocks_are_what_dtensor_holds(mesh_shape: tuple, names: tuple) -> None:
     for rank, bad in enumerate(run_ranks(blocks_match_dtensor, 4, mesh_shape, names)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def test_fsdp_checkpoint_resumes_on_fsdp_x_tp(tmp_path) -> None:
+    """Saved by FSDP on 4 ranks, resumed by FSDP x TP on a 2x2 mesh: equal gradients make every
+    layout the one-process run, so the resumed run ends bitwise where one process ends."""
+    from tests.workers_layouts import resume_mlp, save_mlp
+
+    run_ranks(save_mlp, 4, str(tmp_path), (4,), ("dp",), 2)
+    for rank, bad in enumerate(run_ranks(resume_mlp, 4, str(tmp_path), (2, 2), ("dp", "tp"), 4)):
+        assert bad == [], f"rank {rank}: {bad}"

@@ -121,3 +121,36 @@ def blocks_match_dtensor(mesh_shape: tuple[int, ...], names: tuple[str, ...]) ->
         if isinstance(p, DTensor) and not _mine(p.detach(), index, describe(p, n)):
             bad.append(f"{n} {tuple(p.placements)}")
     return bad
+
+
+def _train_mlp(model: nn.Module, opt: Muon, steps: range) -> None:
+    for step in steps:
+        _set(model, _grads(model, step))
+        opt.step()
+
+
+def save_mlp(root: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], steps: int) -> None:
+    """Train an FSDP (or any) layout for ``steps`` steps and save through the checkpoint helpers."""
+    import muon_dtensor.checkpoint as ckpt
+
+    torch.manual_seed(0)
+    model = _shard(MLP(), mesh_shape, names)
+    opt = Muon(split_params(model), lr=0.02)
+    _train_mlp(model, opt, range(steps))
+    ckpt.save_checkpoint(root, steps, model, opt)
+
+
+def resume_mlp(root: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], total: int) -> list[str]:
+    """Load on another layout, finish, and compare this rank's pieces with one process, bitwise."""
+    import muon_dtensor.checkpoint as ckpt
+
+    torch.manual_seed(1)
+    model = _shard(MLP(), mesh_shape, names)
+    opt = Muon(split_params(model), lr=0.02)
+    step = ckpt.load_checkpoint(root, model, opt)["step"]
+    _train_mlp(model, opt, range(step, total))
+    torch.manual_seed(0)
+    ref = MLP()
+    ref_opt = Muon(split_params(ref), lr=0.02)
+    _train_mlp(ref, ref_opt, range(total))
+    return _compare(model, opt, ref, ref_opt)
