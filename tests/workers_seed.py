@@ -12,33 +12,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import newton_schulz, resolve_ns_config
+from muon_dtensor.demo.round_robin import RoundRobinMuon  # the demo's double, one copy
 
 SHAPES = [(32, 16)] * 8
 LR, MOMENTUM = 0.02, 0.95
-
-
-class RoundRobinMuon(torch.optim.Optimizer):
-    """Like KellerJordan/Muon's distributed version (muon.py, f90a42b, lines 79-94): parameter i is
-    updated by rank i % world, which alone keeps its momentum; the others get it by broadcast."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__(params, {"lr": LR})
-        self.config = resolve_ns_config("keller", 5, 1e-7)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        for i, p in enumerate(self.param_groups[0]["params"]):
-            if i % world == rank:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - MOMENTUM)
-                update = newton_schulz(p.grad.lerp(buf, MOMENTUM)[None], self.config)[0]
-                p.add_(update.to(p.dtype), alpha=-LR)
-            dist.broadcast(p, src=i % world)
 
 
 def _grads(step: int) -> list[torch.Tensor]:

@@ -1,50 +1,218 @@
-"""``python -m muon_dtensor demo``: FSDP2 training with Muon on N ranks against one process.
+"""``python -m muon_dtensor demo``: crash FSDP2 training with Muon midway and resume it on another world size.
 
-Spawns ``--world-size`` ranks (gloo on CPU, NCCL when GPUs are present), trains a small transformer
-language model on a generated corpus with one muon_dtensor optimizer (Muon for hidden matrices, AdamW
-for the rest), runs the same training in one process, and prints both loss curves side by side.
+Trains a small transformer language model on a generated corpus with one muon_dtensor optimizer (Muon
+for hidden matrices, AdamW for the rest), FSDP2-sharded over --world-size ranks (gloo on CPU, NCCL
+when GPUs are present). Midway every rank saves its shard of the model and optimizer state with
+``save_checkpoint``; two steps later every rank is killed (SIGKILL). The run resumes from the
+checkpoint on --resume-world-size ranks and finishes; an uninterrupted run is the reference. Then the
+same crash under round-robin Muon (KellerJordan/Muon's distributed scheme), which loses momentum.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import shutil
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
-from muon_dtensor.launch import run_ranks
+import torch
 
-from .train import train_sharded, train_single
+from muon_dtensor.integrity import step_dir
+from muon_dtensor.launch import RankError, run_ranks
+
+from . import report
+from .model import ModelConfig, TinyLM
+from .parallel import LAYOUTS, demo_shape
+from .progress import Progress
+from .train import CRASHED, RunSpec, train
+
+__all__ = ["main"]
+
+BATCH = 16  # sequences per step (rounded up to a multiple of the micro-batch count)
+TIMEOUT = 600.0  # seconds per run of ranks
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m muon_dtensor demo", description=__doc__)
-    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    p.add_argument("--layout", choices=["fsdp", "hsdp"], default="fsdp")
+    p = argparse.ArgumentParser(
+        prog="python -m muon_dtensor demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--world-size", type=int, default=2, help="ranks of the first run (default 2)")
+    p.add_argument("--resume-world-size", type=int, default=1, help="ranks of the resumed run (default 1)")
+    p.add_argument("--steps", type=int, default=40, help="training steps; checkpoint at half (default 40)")
+    p.add_argument("--layout", choices=LAYOUTS, default="fsdp", help="mesh layout (default fsdp)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=report.TOLERANCE,
+        help="largest parameter difference the verdict accepts (default 1e-2; resumes from 2 ranks "
+        "to 1 are bitwise, other world sizes drift by float rounding, more in longer runs)",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
     return p
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if not args.tolerance >= 0:
+        return f"--tolerance should be >= 0 but is {args.tolerance}"
+    if args.steps < 4:
+        return f"--steps should be at least 4 but is {args.steps}"
+    for name in ("world_size", "resume_world_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} should be at least 1 but is {getattr(args, name)}"
+    return None
+
+
+def _base(args: argparse.Namespace, optimizer: str) -> RunSpec:
+    # Every data-parallel rank of every run (round-robin's too) gets whole micro-batches.
+    count = math.lcm(args.world_size, args.resume_world_size)
+    save_at = args.steps // 2
+    folder = args.out / "checkpoints" / optimizer
+    return RunSpec(
+        optimizer=optimizer,
+        layout=args.layout if optimizer == "muon_dtensor" else "fsdp",
+        steps=args.steps,
+        micro_batches=count,
+        micro_size=max(1, -(-BATCH // count)),
+        folder=str(folder),
+        save_at=save_at,
+        crash_at=min(save_at + 2, args.steps),
+        progress=str(args.out / ".progress"),
+    )
+
+
+def _run(label: str, world: int, spec: RunSpec) -> dict:
+    with Progress(label, spec.progress or ""):
+        return run_ranks(train, world, spec, timeout=TIMEOUT)[0]
+
+
+def _crash(label: str, world: int, spec: RunSpec) -> None:
+    """Run until every rank SIGKILLs itself; anything else (an error, no crash) is a failure."""
+    try:
+        _run(label, world, spec)
+    except RankError:
+        marker = Path(spec.folder, CRASHED)
+        if marker.is_file() and int(marker.read_text()) == spec.crash_at:
+            return
+        raise
+    raise RuntimeError(f"the run meant to crash after step {spec.crash_at} finished instead")
+
+
+def _scenario(args: argparse.Namespace, optimizer: str, first: int) -> report.Outcome:
+    """Uninterrupted run, crashing run, resumed run."""
+    base = _base(args, optimizer)
+    shutil.rmtree(base.folder, ignore_errors=True)
+    w, r = args.world_size, args.resume_world_size
+    plain = replace(base, save_at=None, crash_at=None, record_from=base.save_at)
+    label = lambda i, n, what: f"[{first + i}/6] {optimizer:<12} {report.ranks(n):>8}, {what:<19}"  # noqa: E731
+    straight = _run(label(0, w, "uninterrupted"), w, plain)
+    _crash(label(1, w, f"killed after {base.crash_at}"), w, base)
+    resume = replace(base, save_at=None, crash_at=None, resume=True, record_from=base.save_at)
+    resumed = _run(label(2, r, f"resumed from {base.save_at}"), r, resume)
+    return report.Outcome(straight, resumed, base.save_at, base.crash_at)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    """GPUs when there is one for every rank; otherwise the CPU, since NCCL cannot put two ranks on
+    one GPU. The ranks inherit CUDA_VISIBLE_DEVICES from this process."""
+    if not torch.cuda.is_available():
+        return "gloo on CPU"
+    need, have = max(args.world_size, args.resume_world_size), torch.cuda.device_count()
+    if have < need:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return f"gloo on CPU ({have} GPU(s) for {need} ranks)"
+    return "NCCL on GPUs"
+
+
+def _header(args: argparse.Namespace) -> str:
+    cfg = ModelConfig()
+    count = sum(p.numel() for p in TinyLM(cfg).parameters())
+    backend = _backend(args)
+    shape = demo_shape(args.layout, args.world_size).describe()
+    return (
+        f"muon_dtensor demo: a {cfg.layers}-layer transformer LM (dim {cfg.dim}, {count:,} parameters) on a "
+        f"generated corpus, {args.steps} steps, {shape}, {backend}.\nOne optimizer: muon_dtensor.Muon for "
+        "hidden matrices + AdamW for embeddings, norms and head. Checkpoint at step "
+        f"{args.steps // 2}, every rank killed 2 steps later, resumed on {report.ranks(args.resume_world_size)}.\n"
+    )
+
+
+def _show_ours(args: argparse.Namespace, ours: report.Outcome) -> bool:
+    w, r = args.world_size, args.resume_world_size
+    print(
+        f"\nmuon_dtensor: uninterrupted on {report.ranks(w)} vs killed after step {ours.crash_at} and resumed "
+        f"on {report.ranks(r)} from the checkpoint of step {ours.save_at}:\n"
+    )
+    print(report.step_table(ours, w, r))
+    folder = _step_folder(args, ours.save_at)
+    print(f"\ncheckpoint {folder} (model + optimizer state, each rank wrote its own shards):\n")
+    print(report.checkpoint_table(folder))
+    ok, line = report.verdict(ours, w, r, args.tolerance)
+    print("\n" + line)
+    return ok
+
+
+def _step_folder(args: argparse.Namespace, step: int) -> Path:
+    return step_dir(args.out / "checkpoints" / "muon_dtensor", step)
+
+
+def _show_contrast(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome) -> None:
+    ours_bytes = sum(f.stat().st_size for f in _step_folder(args, ours.save_at).iterdir())
+    theirs_file = sorted(Path(args.out, "checkpoints", "round_robin").glob("*.pt"))[-1]
+    print("\n" + report.contrast_table(ours, theirs, ours_bytes, theirs_file.stat().st_size))
+    kept, total = theirs.resumed["kept"]
+    print(
+        f"\nround-robin Muon: {total - kept} of {total} momentum buffers lost (only rank 0's matrices were in "
+        "its optimizer.state_dict()),\nso the resumed run left the uninterrupted trajectory: largest parameter "
+        f"difference {theirs.difference(theirs.last):.1e} at step {theirs.last}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _check(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    print(f"training on {args.world_size} ranks ({args.layout}) and in one process, {args.steps} steps")
-    sharded = run_ranks(train_sharded, args.world_size, args.steps, args.layout, timeout=900)[0]
-    single = train_single(args.steps)
-    print(f"\n| step | loss, {args.world_size} ranks | loss, 1 process |\n|---:|---:|---:|")
-    for i, (a, b) in enumerate(zip(sharded["losses"], single["losses"])):
-        if i % max(1, args.steps // 10) == 0 or i == args.steps - 1:
-            print(f"| {i} | {a:.4f} | {b:.4f} |")
-    gap = max(
-        float((sharded["params"][n] - p).abs().max()) for n, p in single["params"].items()
+    print(_header(args), flush=True)
+    ours = _scenario(args, "muon_dtensor", 1)
+    ok = _show_ours(args, ours)
+    print(
+        "\nThe same crash under round-robin Muon (KellerJordan/Muon's distributed scheme: parameter i is "
+        "updated by rank i % world,\nwhich alone keeps its momentum; rank 0 saves optimizer.state_dict() "
+        "with torch.save; replicated model):\n",
+        flush=True,
     )
-    learned = sharded["losses"][-1] < 0.7 * sharded["losses"][0]
-    tracks = abs(sharded["losses"][-1] - single["losses"][-1]) < 0.05
-    print(f"\nlargest parameter difference: {gap:.2e}; {time.perf_counter() - start:.0f} s")
-    ok = learned and tracks
-    print(f"verdict: {'PASS' if ok else 'FAIL'}: sharded run {'tracks' if tracks else 'does NOT track'}"
-          f" the one-process run and the loss {'fell' if learned else 'did not fall enough'}")
+    theirs = _scenario(args, "round_robin", 4)
+    _show_contrast(args, ours, theirs)
+    _write(args, ours, theirs)
+    print(f"\ndone in {time.perf_counter() - start:.0f} s")
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _write(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome) -> None:
+    results = {
+        name: {
+            "losses_uninterrupted": o.straight["losses"],
+            "losses_resumed": o.resumed["losses"],
+            "largest_parameter_difference": {s: o.difference(s) for s in sorted(o.resumed["params"])},
+            "momentum_buffers_restored": list(o.resumed["kept"]),
+        }
+        for name, o in (("muon_dtensor", ours), ("round_robin", theirs))
+    }
+    path = args.out / "results.json"
+    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+    png = report.plot(ours, theirs, args.out / "loss.png")
+    if png is None:
+        print(
+            f"\nwrote {path}. For a plot of the loss curves: pip install matplotlib (or, in the repository, pip install -e '.[plot]') and rerun."
+        )
+    else:
+        print(f"\nwrote {path} and {png}")

@@ -1,80 +1,177 @@
-"""Training loop shared by the demo: FSDP2-shard a TinyLM, one muon_dtensor optimizer, N steps."""
+"""The demo's rank function: train a TinyLM, save a checkpoint, crash, resume, on any world size.
+
+``train(spec)`` runs on every rank (``muon_dtensor.launch.run_ranks``). Two sessions share the loop:
+``ShardedSession`` (FSDP2 + ``muon_dtensor.Muon`` + ``save_checkpoint``) and the round-robin double
+(``round_robin.RoundRobinSession``).
+
+Every step's global batch is the same list of micro-batches on any world size; each data-parallel
+rank takes its share and accumulates their gradients. A micro-batch's gradient then does not depend
+on the world size, which is what makes a resumed run on another world size comparable.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
+from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 
-from .data import batch, corpus, tokens
+from .data import corpus, micro_batches, tokens
 from .model import ModelConfig, TinyLM
+from .parallel import build_mesh, data_parallel, demo_shape, device_type, shard_model
+from .round_robin import RoundRobinSession
 
-BATCH = 16
-LR = 0.02
+__all__ = ["ADAMW", "ADAMW_NAMES", "LR", "WEIGHT_DECAY", "RunSpec", "ShardedSession", "train"]
+
+LR, WEIGHT_DECAY = 0.02, 0.1  # Muon
+ADAMW: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.0}  # embeddings, positions, norms, head
+# ``pos`` is a 2-D parameter but an embedding table (not an nn.Embedding): AdamW, not Muon.
+ADAMW_NAMES = ("pos",)
+CRASHED = "CRASHED"  # marker file a crashing run leaves in its checkpoint folder
 
 
-def make_mesh(layout: str) -> DeviceMesh:
-    world = dist.get_world_size()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if layout == "hsdp" and world % 2 == 0 and world >= 4:
-        return init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+@dataclass(frozen=True)
+class RunSpec:
+    optimizer: str  # "muon_dtensor" or "round_robin"
+    layout: str  # "fsdp", "hsdp" or "fsdp-tp" (muon_dtensor only)
+    steps: int  # train up to and including this step
+    micro_batches: int  # the global batch is this many micro-batches...
+    micro_size: int  # ...of this many sequences
+    folder: str  # checkpoint folder
+    save_at: int | None = None
+    crash_at: int | None = None  # SIGKILL every rank after this step
+    resume: bool = False
+    record_from: int | None = None  # keep every parameter (full) after each step >= this
+    progress: str | None = None  # rank 0 writes "step total" here after each step
+    model: ModelConfig = field(default_factory=ModelConfig)
 
 
-def build(cfg: ModelConfig, mesh: DeviceMesh | None) -> tuple[nn.Module, Muon]:
+class ShardedSession:
+    """FSDP2-sharded TinyLM with one ``muon_dtensor.Muon`` (Muon + AdamW groups) and DCP checkpoints."""
+
+    sums_gradients = False  # FSDP averages gradients over data-parallel ranks
+
+    def __init__(self, model: nn.Module, layout: str) -> None:
+        mesh = build_mesh(demo_shape(layout, dist.get_world_size()))
+        shard_model(model, mesh)
+        self.model = model
+        self.opt = Muon(
+            split_params(model, adamw=ADAMW_NAMES, adamw_options=ADAMW), lr=LR, weight_decay=WEIGHT_DECAY
+        )
+        self.dp_rank, self.dp_size, self.dp_group = data_parallel(mesh)
+
+    def update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def save(self, root: str, step: int) -> Path:
+        return save_checkpoint(root, step, self.model, self.opt, extra={"data_step": step})
+
+    def load(self, root: str) -> int:
+        info = load_checkpoint(root, self.model, self.opt)
+        if info is None:
+            raise FileNotFoundError(f"no complete checkpoint under {root}")
+        return int(info["data_step"])
+
+    def momentum_kept(self) -> tuple[int, int]:
+        """(momentum buffers holding data, Muon matrices)."""
+        muon = [p for g in self.opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+        kept = sum(bool(_full(self.opt.state[p]["momentum_buffer"]).any()) for p in muon)
+        return kept, len(muon)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        # clone: on one rank full_tensor() may be the parameter's own storage
+        return {n: _full(p).cpu().clone() for n, p in self.model.named_parameters()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _session(spec: RunSpec) -> ShardedSession | RoundRobinSession:
     torch.manual_seed(0)
-    model = TinyLM(cfg)
-    if mesh is not None:
-        model.to(mesh.device_type)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    opt = Muon(split_params(model, adamw_options={"lr": 3e-3, "weight_decay": 0.0}), lr=LR)
-    return model, opt
+    model = TinyLM(spec.model).to(device_type())
+    if spec.optimizer == "round_robin":
+        return RoundRobinSession(
+            model, lr=LR, weight_decay=WEIGHT_DECAY, adamw=ADAMW, adamw_names=ADAMW_NAMES
+        )
+    return ShardedSession(model, spec.layout)
 
 
-def step(model: nn.Module, opt: Muon, data: torch.Tensor, index: int, rank: int, world: int) -> float:
-    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
-    device = next(model.parameters()).device
-    full = batch(data, index, BATCH, cfg.seq)
-    share = BATCH // world
-    local = full[rank * share : (rank + 1) * share].to(device)
-    opt.zero_grad(set_to_none=True)
-    loss = model.loss(local)
-    loss.backward()
-    opt.step()
-    loss = loss.detach()
-    if world > 1:
-        dist.all_reduce(loss)
-        loss /= world
-    return float(loss)
+def train_step(
+    session: ShardedSession | RoundRobinSession, data: torch.Tensor, step: int, spec: RunSpec
+) -> float:
+    """One optimizer step on this rank's share of the micro-batches; returns the global mean loss."""
+    micros = micro_batches(data, step, spec.micro_batches, spec.micro_size, spec.model.seq)
+    share = spec.micro_batches // session.dp_size
+    # Both sessions end with the sum over all micro-batches of grad / micro_batches (FSDP divides by
+    # the data-parallel size itself; with power-of-two sizes every scaling is exact).
+    scale = (1 if session.sums_gradients else session.dp_size) / spec.micro_batches
+    losses = []
+    for tokens_ in micros[session.dp_rank * share : (session.dp_rank + 1) * share]:
+        loss = session.model.loss(tokens_.to(device_type()))  # type: ignore[operator]
+        (loss * scale).backward()
+        losses.append(loss.detach().float().cpu())
+    session.update()
+    mine = torch.stack(losses)
+    everyone = [torch.empty_like(mine) for _ in range(session.dp_size)]
+    dist.all_gather(everyone, mine, group=session.dp_group)
+    return float(torch.cat(everyone).sum() / spec.micro_batches)
 
 
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-        for n, p in model.named_parameters()
-    }
+def _crash(folder: str, step: int) -> None:
+    """SIGKILL this rank, once every rank is past its last collective (a file handshake, so no rank
+    dies while another still waits on it in gloo)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    Path(folder, f".ready{rank}").touch()
+    while not all(Path(folder, f".ready{r}").exists() for r in range(world)):
+        time.sleep(0.01)
+    if rank == 0:
+        Path(folder, CRASHED).write_text(str(step))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_sharded(steps: int, layout: str = "fsdp") -> dict[str, Any]:
-    """Rank function: train ``steps`` steps on every rank; rank 0's result carries the losses."""
-    mesh = make_mesh(layout)
-    model, opt = build(ModelConfig(), mesh)
+def _progress(path: str | None, step: int, total: int) -> None:
+    if path and dist.get_rank() == 0:
+        Path(path + ".part").write_text(f"{step} {total}")
+        os.replace(path + ".part", path)
+
+
+def _record(session: ShardedSession | RoundRobinSession, out: dict[str, Any], step: int) -> None:
+    full = session.full_params()  # collective
+    if dist.get_rank() == 0:
+        out["params"][step] = full
+
+
+def train(spec: RunSpec) -> dict[str, Any] | None:
+    """Rank function. Rank 0 returns losses by step, recorded parameters and checkpoint facts."""
+    session = _session(spec)
+    Path(spec.folder).mkdir(parents=True, exist_ok=True)
     data = tokens(corpus())
-    losses = [step(model, opt, data, i, dist.get_rank(), dist.get_world_size()) for i in range(steps)]
-    return {"losses": losses, "params": full_params(model)}
-
-
-def train_single(steps: int) -> dict[str, Any]:
-    model, opt = build(ModelConfig(), None)
-    data = tokens(corpus())
-    losses = [step(model, opt, data, i, 0, 1) for i in range(steps)]
-    return {"losses": losses, "params": full_params(model)}
+    start, out = 0, {"losses": {}, "params": {}, "kept": None}
+    if spec.resume:
+        start = session.load(spec.folder)
+        out["kept"] = session.momentum_kept()
+    record = spec.record_from is not None
+    if record and spec.record_from <= start:
+        _record(session, out, start)
+    for step in range(start + 1, spec.steps + 1):
+        out["losses"][step] = train_step(session, data, step, spec)
+        if record and step >= spec.record_from:
+            _record(session, out, step)
+        if step == spec.save_at:
+            out["checkpoint"] = str(session.save(spec.folder, step))
+        _progress(spec.progress, step, spec.steps)
+        if step == spec.crash_at:
+            _crash(spec.folder, step)
+    return out if dist.get_rank() == 0 else None
