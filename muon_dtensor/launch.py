@@ -37,6 +37,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         Path(tmp, "args.pkl").write_bytes(pickle.dumps(args))
         path = os.pathsep.join(filter(None, [str(ROOT), os.getcwd(), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        if _gpus() < world_size:  # one GPU per rank or none: NCCL cannot share a device
+            env["CUDA_VISIBLE_DEVICES"] = ""
         logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
@@ -51,6 +53,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for log in logs:
             log.close()
         return _judge(Path(tmp), world_size, hung, timeout)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,7 +38,9 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
     }
     if not state:
         raise CheckpointError(f"{folder} holds no tensors under '{prefix}'")
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 
