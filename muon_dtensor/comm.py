@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "CommStats",
-    "all_to_all_chunks",
     "exchange_group",
     "start_all_to_all",
     "sum_over_group",
@@ -131,16 +130,3 @@ def start_all_to_all(
         return list(recv.split(list(recv_numels)))
 
     return finish
-
-
-def all_to_all_chunks(
-    chunks: Sequence[Sequence[Tensor]],
-    recv_numels: Sequence[int],
-    *,
-    group: dist.ProcessGroup,
-    dtype: torch.dtype,
-    device: torch.device,
-    stats: CommStats | None = None,
-) -> list[Tensor]:
-    """``start_all_to_all`` and wait."""
-    return start_all_to_all(chunks, recv_numels, group=group, dtype=dtype, device=device, stats=stats)()
