@@ -1,0 +1,114 @@
+"""The cost model's Muon step for Llama-3 hidden matrices on H200s (issue 6's goals), with what-ifs.
+
+Prints, for Llama-3-8B (and 70B) at the chosen shard-group sizes, the predicted owner-mode step of
+the code as built, gather mode and redundant Newton-Schulz, then the same owner step for two changes
+that are not built (fused multi-tensor elementwise passes; exchange pipelined with Newton-Schulz) and
+under pessimistic hardware figures. Goals (issue 6): Llama-3-8B <= 130 ms on 8 H200s and <= 25 ms on 64;
+redundant Newton-Schulz is about 843 ms at any size.
+
+Pure arithmetic (muon_dtensor/costmodel.py); no GPU needed. Examples, from the repository root::
+
+    python benchmarks/predict_h200.py
+    python benchmarks/predict_h200.py --ranks 8,16,32,64 --models llama3-8b,llama3-70b
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from muon_dtensor.costmodel import (  # noqa: E402
+    CURRENT,
+    FUSED,
+    FUSED_OVERLAP,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    Hardware,
+    Implementation,
+    predict,
+)
+
+MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+GOALS_MS = {("llama3-8b", 8): 130.0, ("llama3-8b", 64): 25.0}
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "predict_h200.json"
+# Pessimistic figures: NS at ~60% of the datasheet's 989 TFLOP/s, links at 70% of peak, 10 us per op.
+PESSIMISTIC = Hardware.h200(
+    matmul_flops=600e12, intra_node_bandwidth=0.7 * 450e9, inter_node_bandwidth=0.7 * 50e9, op_overhead=10e-6
+)
+# (label, mode, implementation, hardware)
+CASES: list[tuple[str, str, Implementation, Hardware]] = [
+    ("owner, as built", "owner", CURRENT, Hardware.h200()),
+    ("gather, as built", "gather", CURRENT, Hardware.h200()),
+    ("redundant Newton-Schulz only", "redundant", CURRENT, Hardware.h200()),
+    ("owner + fused elementwise (not built)", "owner", FUSED, Hardware.h200()),
+    ("owner + fused + overlap, 4 stages (not built)", "owner", FUSED_OVERLAP, Hardware.h200()),
+    ("owner, as built, pessimistic hardware", "owner", CURRENT, PESSIMISTIC),
+    ("owner + fused + overlap, pessimistic hardware", "owner", FUSED_OVERLAP, PESSIMISTIC),
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="8,64", help="comma-separated shard-group sizes (8,64)")
+    p.add_argument("--models", default="llama3-8b,llama3-70b", help=f"of {sorted(MODELS)}")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    return p.parse_args(argv)
+
+
+def rows_for(model: str, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for label, mode, impl, hw in CASES:
+        p = predict(MODELS[model], n, hw, mode=mode, impl=impl)
+        goal = GOALS_MS.get((model, n))
+        rows.append(
+            {"model": model, "ranks": n, "case": label, "goal_ms": goal, "prediction": asdict(p)}
+            | {"meets_goal": None if goal is None or mode != "owner" else p.total * 1e3 <= goal}
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | H200s | case | step ms | NS ms | comm ms | memory ms | host ms | goal |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        p = r["prediction"]
+        goal = (
+            "" if r["meets_goal"] is None else f"<= {r['goal_ms']:.0f}: {'yes' if r['meets_goal'] else 'no'}"
+        )
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['case']} | {p['total'] * 1e3:.1f} | {p['newton_schulz'] * 1e3:.1f} "
+            f"| {p['comm'] * 1e3:.1f} | {p['memory'] * 1e3:.1f} | {p['host'] * 1e3:.1f} | {goal} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = [
+        r for m in args.models.split(",") for n in map(int, args.ranks.split(",")) for r in rows_for(m, n)
+    ]
+    print("defaults: " + ", ".join(f"{k}={v:g}" for k, v in asdict(Hardware.h200()).items()))
+    print(format_table(rows))
+    payload = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hardware_default": asdict(Hardware.h200()),
+        "hardware_pessimistic": asdict(PESSIMISTIC),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The cost model (muon_dtensor/costmodel.py) is pure arithmetic over the plan: checked here against the
+traffic formulas of shared/reference/newton_schulz.md, the plan's own byte counts, and the properties
+any step-time model must have. The last test runs benchmarks/gpu_ns.py with no GPU visible."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+from muon_dtensor.costmodel import (
+    CURRENT,
+    FUSED,
+    LLAMA3_8B,
+    Hardware,
+    fit_latency_bandwidth,
+    predict,
+    sharded_plan,
+    transformer_shapes,
+)
+from muon_dtensor.newton_schulz import ns_flops
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIFORM = [(512, 256)] * 64  # 64 equal matrices: every rank owns the same number at N | 64
+
+
+def test_llama3_8b_shapes_and_flops_match_the_reference() -> None:
+    # shared/reference/newton_schulz.md: 5 iterations on Llama-3-8B's hidden matrices ~ 666 TFLOP.
+    assert len(LLAMA3_8B) == 224
+    total = sum(ns_flops(s, 5) for s in LLAMA3_8B)
+    assert total == pytest.approx(666e12, rel=0.001)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_owner_traffic_is_2S_N_minus_1_over_N_squared(n: int) -> None:
+    s = sum(r * c for r, c in UNIFORM) * 2
+    p = predict(UNIFORM, n)
+    assert p.bytes_sent_mean == pytest.approx(2 * s * (n - 1) / n**2, rel=1e-12)
+    assert p.bytes_sent_max == pytest.approx(p.bytes_sent_mean, rel=1e-12)
+    g = predict(UNIFORM, n, mode="gather")
+    assert g.bytes_sent_mean == pytest.approx(s * (n - 1) / n, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [8, 64])
+@pytest.mark.parametrize("mode", ["owner", "gather"])
+def test_per_collective_traffic_adds_up_to_plan_bytes_sent(n: int, mode: str) -> None:
+    """The model splits traffic by collective and link; its per-rank sum must be the plan's count."""
+    shapes = LLAMA3_8B[:14]
+    plan = sharded_plan(shapes, n, mode)
+    expected = [plan.bytes_sent(r, 2) for r in range(n)]
+    p = predict(shapes, n, mode=mode)
+    assert p.bytes_sent_max == max(expected)
+    assert p.bytes_sent_mean == pytest.approx(sum(expected) / n, rel=1e-12)
+
+
+def test_owner_step_is_monotonic_in_world_size() -> None:
+    totals = [predict(LLAMA3_8B, n).total for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert all(b < a for a, b in pairwise(totals)), totals
+    compute = [predict(LLAMA3_8B, n).newton_schulz for n in (8, 16, 32, 64)]
+    assert all(b < a for a, b in pairwise(compute)), compute
+
+
+def test_redundant_newton_schulz_does_not_depend_on_world_size() -> None:
+    times = {predict(LLAMA3_8B, n, mode="redundant").total for n in (1, 8, 64, 1024)}
+    assert len(times) == 1
+    # The issue's figure: ~666 TFLOP at the default 790 TFLOP/s is ~843 ms.
+    assert times.pop() == pytest.approx(0.843, rel=0.01)
+
+
+def test_llama3_8b_predictions_are_finite_and_ordered() -> None:
+    owner8, owner64 = predict(LLAMA3_8B, 8), predict(LLAMA3_8B, 64)
+    redundant = predict(LLAMA3_8B, 8, mode="redundant")
+    for p in (owner8, owner64, redundant):
+        assert math.isfinite(p.total) and p.total > 0
+    assert owner64.total < owner8.total < redundant.total
+    # Owner mode at 8 ranks cannot beat a perfect 1/8 of the Newton-Schulz work.
+    assert owner8.total >= redundant.total / 8
+    assert predict(LLAMA3_8B, 8, impl=FUSED).total < owner8.total
+
+
+def test_links_cross_nodes_only_beyond_a_node() -> None:
+    hw = Hardware.h200()
+    one_node = predict(UNIFORM, 8, hw)
+    slow_ib = predict(UNIFORM, 8, replace(hw, inter_node_bandwidth=1.0))
+    assert slow_ib.comm == one_node.comm  # 8 ranks on one 8-GPU node never touch InfiniBand
+    two_nodes = predict(UNIFORM, 16, hw)
+    assert (
+        predict(UNIFORM, 16, replace(hw, inter_node_bandwidth=hw.inter_node_bandwidth / 2)).comm
+        > two_nodes.comm
+    )
+
+
+def test_host_overhead_hides_on_an_async_device_and_adds_on_a_cpu() -> None:
+    hw = Hardware.h200(op_overhead=0.0)
+    base = predict(LLAMA3_8B, 8, hw).total
+    small = predict(LLAMA3_8B, 8, replace(hw, op_overhead=1e-6)).total
+    assert small == pytest.approx(base, rel=1e-9)  # 1 us per op hides behind the device work
+    sync = predict(LLAMA3_8B, 8, replace(hw, op_overhead=1e-6, async_host=False))
+    assert sync.total == pytest.approx(base + sync.host, rel=1e-9)
+
+
+def test_from_measurements_recovers_rates_latency_and_bandwidth() -> None:
+    link = [(b, 20e-6 + b / 3e9) for b in (1e5, 1e6, 1e7)]
+    latency, bandwidth = fit_latency_bandwidth(link)
+    assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(3e9, rel=1e-9)
+    hw = Hardware.from_measurements(
+        matmul=[(2e9, 0.01), (6e9, 0.03)], memory=[(1e9, 0.1)], link=link, gpus_per_node=2
+    )
+    assert hw.matmul_flops == pytest.approx(2e11) and hw.memory_bandwidth == pytest.approx(1e10)
+    assert hw.collective_latency == pytest.approx(20e-6, rel=1e-6)
+    assert not hw.async_host
+    with pytest.raises(ValueError, match="positive"):
+        Hardware.from_measurements(matmul=[(0.0, 1.0)], memory=[(1.0, 1.0)], link=link, gpus_per_node=1)
+
+
+def test_transformer_shapes_spell_each_layer() -> None:
+    assert transformer_shapes(1, 8) == [(8, 8)] * 4 + [(32, 8), (8, 32)]
+    assert transformer_shapes(1, 8, kv_rows=2, ffn=20, gated=True) == [
+        (8, 8), (2, 8), (2, 8), (8, 8), (20, 8), (20, 8), (8, 20)
+    ]  # fmt: skip
+    assert transformer_shapes(2, 8, fused_qkv=True)[:2] == [(24, 8), (8, 8)]
+    assert CURRENT.pre_bytes + CURRENT.post_bytes == 96.0  # the count in Implementation's docstring
+
+
+def test_gpu_script_exits_2_with_a_message_without_cuda() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_ns.py")],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr
