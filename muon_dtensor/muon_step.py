@@ -90,6 +90,11 @@ def place(dest: Tensor, c: LocalCut, value: Tensor) -> None:
         offset += b - a
 
 
+def _whole(local: Tensor, views: Sequence[View]) -> bool:
+    """A 2-D parameter that is one matrix: its result is its update, with no assembly."""
+    return local.ndim == 2 and len(views) == 1 and views[0].cut == LocalCut(None, ((0, local.shape[0]),))
+
+
 def muon_step(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -101,10 +106,11 @@ def muon_step(
     stats: CommStats | None = None,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place."""
-    ns_in = [
-        muon_momentum(b, g, hyper.momentum, hyper.nesterov).to(config.dtype) for b, g in zip(bufs, grads)
+    ns_in = [muon_momentum(b, g, hyper.momentum, hyper.nesterov, config.dtype) for b, g in zip(bufs, grads)]
+    updates = [
+        None if _whole(p, v) else torch.empty_like(p, memory_format=torch.contiguous_format)
+        for p, v in zip(params, views)
     ]
-    updates = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
     ortho = partial(orthogonalize, config=config)
     for domain in domains:
         pieces = [cut(ns_in[pos], views[pos][vi].cut) for pos, vi in domain.members]
@@ -113,8 +119,11 @@ def muon_step(
         )
         for (pos, vi), out in zip(domain.members, outs):
             view = views[pos][vi]
-            scale = adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape)
-            place(updates[pos], view.cut, out.to(params[pos].dtype).mul_(scale))
+            scaled = out.to(params[pos].dtype).mul_(adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape))
+            if updates[pos] is None:
+                updates[pos] = scaled.view(params[pos].shape)  # type: ignore[call-overload]
+            else:
+                place(updates[pos], view.cut, scaled)
     for p, u in zip(params, updates):
         if hyper.weight_decay != 0.0:
             p.mul_(1.0 - hyper.lr * hyper.weight_decay)

@@ -129,13 +129,16 @@ def resolve_ns_config(
 
 
 def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
-    """Orthogonalize each matrix of a batch ``[B, m, n]``; returns ``config.dtype``.
+    """Orthogonalize a matrix ``[m, n]`` or each matrix of a batch ``[B, m, n]``; returns
+    ``config.dtype``.
 
     Same arithmetic as ``torch.optim._muon._zeropower_via_newtonschulz`` (cast, transpose tall
-    matrices, divide by the Frobenius norm, then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``).
+    matrices, divide by the Frobenius norm, then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``);
+    a 2-D input runs exactly its ``mm``/``addmm`` calls, a batch their ``bmm``/``baddbmm`` twins.
     """
-    if x.ndim != 3:
-        raise ValueError(f"newton_schulz expects a batch [B, m, n] but got shape {tuple(x.shape)}")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz expects [m, n] or [B, m, n] but got shape {tuple(x.shape)}")
+    mm, addmm = (torch.mm, torch.addmm) if x.ndim == 2 else (torch.bmm, torch.baddbmm)
     y = x.to(config.dtype)
     tall = y.size(-2) > y.size(-1)
     if tall:
@@ -145,9 +148,9 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
         norm = norm * config.norm_scale
     y = y.div(norm.clamp(min=config.eps))
     for a, b, c in config.coefficients:
-        gram = torch.bmm(y, y.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, poly, y, beta=a)
+        gram = mm(y, y.mT)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)
+        y = addmm(y, poly, y, beta=a)
     return y.mT if tall else y
 
 
@@ -161,7 +164,7 @@ def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
     if not matrices:
         return []
     if matrices[0].device.type == "cpu" or len(matrices) == 1:
-        return [newton_schulz(m[None], config)[0] for m in matrices]
+        return [newton_schulz(m, config) for m in matrices]
     return list(newton_schulz(torch.stack(list(matrices)), config).unbind(0))
 
 

@@ -36,6 +36,7 @@ EPS = 1e-7
 DEFAULT_NS_STEPS = 5
 # torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+DEFAULT_ROUND_BYTES = 4 << 20
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -69,7 +70,10 @@ class Muon(Optimizer):
         process_group: for plain (non-DTensor) parameters replicated across ranks, as under DDP:
             the ranks that hold them. Newton-Schulz work is then split over these ranks and the
             results all-gathered. Without it plain tensors are stepped locally.
-        max_round_bytes: cap on the full matrices one exchange round carries (default: one round).
+        max_round_bytes: bytes of full matrices one exchange round carries (at least one matrix per
+            rank; None: one round). Rounds are pipelined, so this bounds the exchange buffers and
+            sets the overlap grain (default 4 MiB: fastest of 1 to 16 MiB and one round, measured
+            on the 8 x 512 set at 2 CPU ranks, docs/benchmarks.md).
 
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
@@ -91,7 +95,7 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype | str = torch.bfloat16,
         mode: str = "owner",
         process_group: Any = None,
-        max_round_bytes: int | None = None,
+        max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
     ) -> None:
         defaults = {
             "lr": lr,

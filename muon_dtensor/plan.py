@@ -114,15 +114,19 @@ def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[lis
     return owners, loads
 
 
-def _rounds(entries: Sequence[MatrixEntry], order: list[int], max_bytes: int | None) -> list[list[int]]:
-    """Consecutive pieces of ``order`` whose full matrices (2 bytes an element) fit ``max_bytes``."""
+def _rounds(
+    entries: Sequence[MatrixEntry], order: list[int], max_bytes: int | None, group_size: int
+) -> list[list[int]]:
+    """Consecutive pieces of ``order`` (decreasing cost) whose full matrices (2 bytes an element)
+    fit ``max_bytes``, but never fewer than ``group_size`` matrices: consecutive matrices in this
+    order go to different owners, so every rank has work in every round and none waits idle."""
     if max_bytes is None:
         return [sorted(order)]
     rounds: list[list[int]] = [[]]
     size = 0
     for i in order:
         nbytes = 2 * entries[i].shape[0] * entries[i].shape[1]
-        if rounds[-1] and size + nbytes > max_bytes:
+        if len(rounds[-1]) >= group_size and size + nbytes > max_bytes:
             rounds.append([])
             size = 0
         rounds[-1].append(i)
@@ -158,7 +162,7 @@ def build_plan(
     order = sorted(range(len(entries)), key=lambda i: (-ns_flops(entries[i].shape), i))
     rounds = tuple(
         Round(members=tuple(r), owners=tuple(owners[i] for i in r))
-        for r in _rounds(entries, order, max_round_bytes)
+        for r in _rounds(entries, order, max_round_bytes, group_size)
         if r
     )
     return Plan(group_size, mode, tuple(entries), rounds, tuple(loads))

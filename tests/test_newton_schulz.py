@@ -63,7 +63,7 @@ def test_keller_matches_torch_optim_muon_bitwise() -> None:
     config = resolve_ns_config((3.4445, -4.7750, 2.0315), 5, 1e-7)
     for shape in [(48, 80), (80, 48), (64, 64)]:
         g = torch.randn(shape, generator=gen)
-        ours = newton_schulz(g[None], config)[0]
+        ours = newton_schulz(g, config)
         assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
 
 
@@ -78,6 +78,9 @@ def test_result_of_a_matrix_does_not_depend_on_its_batch(dtype: torch.dtype, sha
     for start, size in [(0, 1), (3, 1), (1, 2), (2, 5), (6, 1)]:
         part = newton_schulz(x[start : start + size], config)
         assert torch.equal(part, full[start : start + size])
+    # One matrix as a 2-D input (mm/addmm, the CPU path) equals its row of the batch (bmm/baddbmm).
+    for i in range(7):
+        assert torch.equal(newton_schulz(x[i], config), full[i])
 
 
 def test_zero_input_gives_zero_not_nan() -> None:
