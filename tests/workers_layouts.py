@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -19,13 +20,18 @@ from muon_dtensor.placement import describe
 class MLP(nn.Module):
     """Uneven widths so TP and FSDP pieces are uneven; ``w3`` has fewer rows than ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: tuple[int, ...] = (16, 38, 20, 3, 16)) -> None:
         super().__init__()
-        self.w1 = nn.Linear(16, 38, bias=False)  # colwise
-        self.w2 = nn.Linear(38, 20, bias=False)  # rowwise
-        self.w3 = nn.Linear(20, 3, bias=False)  # colwise
-        self.w4 = nn.Linear(3, 16, bias=False)  # rowwise
-        self.norm = nn.LayerNorm(16)
+        self.w1 = nn.Linear(widths[0], widths[1], bias=False)  # colwise
+        self.w2 = nn.Linear(widths[1], widths[2], bias=False)  # rowwise
+        self.w3 = nn.Linear(widths[2], widths[3], bias=False)  # colwise
+        self.w4 = nn.Linear(widths[3], widths[4], bias=False)  # rowwise
+        self.norm = nn.LayerNorm(widths[4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.w1, self.w2, self.w3, self.w4):
+            x = torch.tanh(layer(x))
+        return self.norm(x)
 
 
 PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel(), "w4": RowwiseParallel()}
@@ -154,3 +160,46 @@ def resume_mlp(root: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], t
     ref_opt = Muon(split_params(ref), lr=0.02)
     _train_mlp(ref, ref_opt, range(total))
     return _compare(model, opt, ref, ref_opt)
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def train_fsdp_tp(steps: int = 6) -> dict[str, Any]:
+    """Real forward and backward on a 2x2 (dp, tp) mesh: each dp rank takes half of the batch,
+    FSDP averages gradients over dp, TP splits every matrix; against one process on the batch.
+    Widths divide by the TP size here: DTensor's TP forward needs even activation shards."""
+    torch.manual_seed(0)
+    ref = MLP((16, 32, 16, 32, 16))
+    model = _shard(copy.deepcopy(ref), (2, 2), ("dp", "tp"))
+    opt, ref_opt = Muon(split_params(model), lr=0.02), Muon(split_params(ref), lr=0.02)
+    dp_rank = dist.get_rank() // 2
+    losses, ref_losses, grad_gap = [], [], 0.0
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, o, batch, out in (
+            (model, opt, x[dp_rank * 4 : dp_rank * 4 + 4], losses),
+            (ref, ref_opt, x, ref_losses),
+        ):
+            o.zero_grad()
+            loss = _loss(m, batch)
+            loss.backward()
+            out.append(float(loss.detach()))
+        if step == 0:
+            grad_gap = _gap(model, ref, lambda t: t.grad)
+        opt.step()
+        ref_opt.step()
+    gap = _gap(model, ref, lambda t: t.detach())
+    return {"losses": losses, "ref_losses": ref_losses, "gap": gap, "grad_gap": grad_gap}
+
+
+def _gap(model: nn.Module, ref: nn.Module, get) -> float:
+    """Largest difference between this rank's pieces and the same indices of the reference."""
+    out = 0.0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if isinstance(p, DTensor) and get(p).to_local().numel():
+            layout = describe(p, n)
+            piece = _piece(get(q), layout.blocks[layout.rank])
+            out = max(out, float((piece - get(p).to_local()).abs().max()))
+    return out
