@@ -153,13 +153,13 @@ class Muon(Optimizer):
                 check_param(p, name)
                 continue
             check_muon_param(p, name, flatten=group["flatten"], experts=group["experts"])
-        self._describe_all(group, names)
         if len(meshes) > 1:
             found = ", ".join(f"'{n}' on {m or 'no mesh (a plain tensor)'}" for m, n in meshes.items())
             raise ValueError(
                 f"one param group holds parameters on different meshes ({found}); "
                 "put the parameters of each mesh in a param group of their own"
             )
+        self._describe_all(group, names)
         for p in group["params"]:
             self._ensure_state(group, p)
 
