@@ -20,7 +20,7 @@ from .exchange import run_plan
 from .newton_schulz import NSConfig, orthogonalize
 from .placement import ParamLayout
 from .plan import MatrixEntry, Plan, build_plan
-from .update import adjust_lr, muon_momentum
+from .update import adjust_lr, apply_muon_update, muon_momentum, scale_update
 from .views import LocalCut, View
 
 __all__ = ["Domain", "MuonHyper", "build_domains", "muon_step"]
@@ -119,12 +119,10 @@ def muon_step(
         )
         for (pos, vi), out in zip(domain.members, outs):
             view = views[pos][vi]
-            scaled = out.to(params[pos].dtype).mul_(adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape))
+            scaled = scale_update(out, params[pos].dtype, adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape))
             if updates[pos] is None:
                 updates[pos] = scaled.view(params[pos].shape)  # type: ignore[call-overload]
             else:
                 place(updates[pos], view.cut, scaled)
     for p, u in zip(params, updates):
-        if hyper.weight_decay != 0.0:
-            p.mul_(1.0 - hyper.lr * hyper.weight_decay)
-        p.sub_(u)
+        apply_muon_update(p, u, lr=hyper.lr, weight_decay=hyper.weight_decay)

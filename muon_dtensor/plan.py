@@ -71,12 +71,6 @@ class Plan:
         mean = sum(self.loads) / len(self.loads)
         return max(self.loads) / mean if mean else 1.0
 
-    def owner_of(self, index: int) -> int:
-        for r in self.rounds:
-            if index in r.members:
-                return r.owners[r.members.index(index)]
-        raise KeyError(index)
-
     def bytes_sent(self, rank: int, itemsize: int) -> int:
         """Bytes ``rank`` sends to other ranks in one step under this plan (both directions)."""
         total = 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum"]
+__all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum", "scale_update"]
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -45,13 +45,16 @@ def muon_momentum(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, dt
     return torch.add(scaled, buf.mul(momentum), out=out)
 
 
-def apply_muon_update(
-    param: Tensor, update: Tensor, *, lr: float, weight_decay: float, adjusted_lr: float
-) -> None:
-    """``param <- param (1 - lr wd) - adjusted_lr * update``, decoupled weight decay tied to lr."""
+def scale_update(update: Tensor, dtype: torch.dtype, adjusted_lr: float) -> Tensor:
+    """``adjusted_lr * update`` in the parameter's dtype (a fresh tensor unless dtypes match)."""
+    return update.to(dtype).mul_(adjusted_lr)
+
+
+def apply_muon_update(param: Tensor, scaled_update: Tensor, *, lr: float, weight_decay: float) -> None:
+    """``param <- param (1 - lr wd) - scaled_update``, decoupled weight decay tied to lr."""
     if weight_decay != 0.0:
         param.mul_(1.0 - lr * weight_decay)
-    param.sub_(update.to(param.dtype).mul_(adjusted_lr))
+    param.sub_(scaled_update)
 
 
 def adamw_update(
