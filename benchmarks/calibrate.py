@@ -89,14 +89,16 @@ def measure_ns(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
 
 def measure_memory(numel: int = 2**22) -> dict[str, float]:
     """The momentum and update passes on ``numel`` fp32 elements; bytes as the model counts them."""
-    from muon_dtensor.update import apply_muon_update, muon_momentum, scale_update
+    from muon_dtensor.update import apply_muon_update, muon_momentum, scale_updates
 
     gen = torch.Generator().manual_seed(SEED)
     param, grad, buf = (torch.randn(numel, generator=gen) for _ in range(3))
 
     def passes() -> None:
-        nesterov_input = muon_momentum(buf, grad, 0.95, True).to(torch.bfloat16)
-        apply_muon_update(param, scale_update(nesterov_input, param.dtype, 0.02), lr=0.02, weight_decay=0.1)
+        nesterov_input = muon_momentum([buf], [grad], 0.95, True, torch.bfloat16)
+        apply_muon_update(
+            [param], scale_updates(nesterov_input, param.dtype, [0.02]), lr=0.02, weight_decay=0.1
+        )
 
     seconds = median_seconds(passes, reps=7)
     return {"bytes": numel * (CURRENT_CPU.pre_bytes + CURRENT_CPU.post_bytes), "seconds": seconds}

@@ -111,8 +111,12 @@ def start_all_to_all(
     the plan, so no size exchange precedes the data.
     """
     send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
-    flat = [c.reshape(-1).to(dtype) for per_dest in chunks for c in per_dest]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    send = torch.empty(sum(send_numels), dtype=dtype, device=device)
+    offset = 0
+    for c in (c for per_dest in chunks for c in per_dest):
+        # One copy straight into the send buffer (casting, and gathering strided results).
+        send[offset : offset + c.numel()].view(c.shape).copy_(c)
+        offset += c.numel()
     recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
     work = dist.all_to_all_single(recv, send, list(recv_numels), send_numels, group=group, async_op=True)
     item = recv.element_size()

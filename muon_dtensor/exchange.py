@@ -98,9 +98,13 @@ def _start_to_owners(
         if member in replicated:
             continue
         for dest in range(size) if owner == EVERYONE else (owner,):
-            sends[dest].append(local[member])
+            if dest != me:  # my own blocks never enter the collective: one copy less each way
+                sends[dest].append(local[member])
     incoming = [m for m in mine if m not in replicated]
-    recv_numels = [sum(block_numel(plan.entries[m].blocks[src]) for m in incoming) for src in range(size)]
+    recv_numels = [
+        0 if src == me else sum(block_numel(plan.entries[m].blocks[src]) for m in incoming)
+        for src in range(size)
+    ]
     sample = local[rnd.members[0]]
     if len(replicated) == len(rnd.members):  # every rank knows this from the plan: skip together
         receive = lambda: [sample.new_empty(0)] * size  # noqa: E731
@@ -117,9 +121,11 @@ def _start_to_owners(
         where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
         for member in replicated.intersection(mine):
             where[member].copy_(local[member])
+        for member in incoming:
+            _assemble(where[member], plan.entries[member].blocks[me], local[member].reshape(-1))
         for src in range(size):
             offset = 0
-            for member in incoming:
+            for member in incoming if src != me else ():
                 block = plan.entries[member].blocks[src]
                 _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
                 offset += block_numel(block)
@@ -148,16 +154,21 @@ def _start_to_blocks(
         out.update({m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine})
         return lambda: out
     size = plan.group_size
-    back = [[_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)]
+    back = [
+        [] if d == me else [_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)
+    ]
     from_owner = [
-        sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src)) for src in range(size)
+        0 if src == me else sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src))
+        for src in range(size)
     ]
     receive = start_all_to_all(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
 
     def finish() -> dict[int, Tensor]:
         returned = receive()
-        out: dict[int, Tensor] = {}
+        out = {m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine}
         for src in range(size):
+            if src == me:
+                continue
             offset = 0
             for member in rnd.owned_by(src):
                 block = plan.entries[member].blocks[me]

@@ -20,7 +20,7 @@ from .exchange import run_plan
 from .newton_schulz import NSConfig, orthogonalize
 from .placement import ParamLayout
 from .plan import MatrixEntry, Plan, build_plan
-from .update import adjust_lr, apply_muon_update, muon_momentum, scale_update
+from .update import adjust_lr, apply_muon_update, muon_momentum, scale_updates
 from .views import LocalCut, View
 
 __all__ = ["Domain", "MuonHyper", "build_domains", "muon_step"]
@@ -95,6 +95,31 @@ def _whole(local: Tensor, views: Sequence[View]) -> bool:
     return local.ndim == 2 and len(views) == 1 and views[0].cut == LocalCut(None, ((0, local.shape[0]),))
 
 
+# Multi-tensor ops allocate their temporaries for a whole list at once (momentum: two fp32 ones).
+# Buckets of at most this many local elements bound that transient memory (2 x 256 MiB in fp32)
+# while keeping the kernel launches per step few.
+BUCKET_ELEMENTS = 1 << 26
+
+
+def _buckets(tensors: Sequence[Tensor]) -> list[slice]:
+    out, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        if size and size + t.numel() > BUCKET_ELEMENTS:
+            out.append(slice(start, i))
+            start, size = i, 0
+        size += t.numel()
+    return [*out, slice(start, len(tensors))] if start < len(tensors) else out
+
+
+def _scale(outs: Sequence[Tensor], dtypes: Sequence[torch.dtype], lrs: Sequence[float]) -> list[Tensor]:
+    """``scale_updates`` per parameter dtype (a multi-tensor op takes one dtype), in input order."""
+    scaled: dict[int, Tensor] = {}
+    for dtype in dict.fromkeys(dtypes):
+        idx = [i for i, d in enumerate(dtypes) if d == dtype]
+        scaled.update(zip(idx, scale_updates([outs[i] for i in idx], dtype, [lrs[i] for i in idx])))
+    return [scaled[i] for i in range(len(outs))]
+
+
 def muon_step(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -106,7 +131,9 @@ def muon_step(
     stats: CommStats | None = None,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place."""
-    ns_in = [muon_momentum(b, g, hyper.momentum, hyper.nesterov, config.dtype) for b, g in zip(bufs, grads)]
+    ns_in: list[Tensor] = []
+    for b in _buckets(bufs):
+        ns_in += muon_momentum(bufs[b], grads[b], hyper.momentum, hyper.nesterov, config.dtype)
     updates = [
         None if _whole(p, v) else torch.empty_like(p, memory_format=torch.contiguous_format)
         for p, v in zip(params, views)
@@ -117,12 +144,11 @@ def muon_step(
         outs = run_plan(
             domain.plan, domain.layout.rank, pieces, ortho, group=domain.layout.group, stats=stats
         )
-        for (pos, vi), out in zip(domain.members, outs):
-            view = views[pos][vi]
-            scaled = scale_update(out, params[pos].dtype, adjust_lr(hyper.lr, hyper.adjust_lr_fn, view.shape))
+        dtypes = [params[pos].dtype for pos, _ in domain.members]
+        lrs = [adjust_lr(hyper.lr, hyper.adjust_lr_fn, views[pos][vi].shape) for pos, vi in domain.members]
+        for (pos, vi), scaled in zip(domain.members, _scale(outs, dtypes, lrs)):
             if updates[pos] is None:
                 updates[pos] = scaled.view(params[pos].shape)  # type: ignore[call-overload]
             else:
-                place(updates[pos], view.cut, scaled)
-    for p, u in zip(params, updates):
-        apply_muon_update(p, u, lr=hyper.lr, weight_decay=hyper.weight_decay)
+                place(updates[pos], views[pos][vi].cut, scaled)
+    apply_muon_update(params, updates, lr=hyper.lr, weight_decay=hyper.weight_decay)  # type: ignore[arg-type]

@@ -130,28 +130,37 @@ def resolve_ns_config(
 
 def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     """Orthogonalize a matrix ``[m, n]`` or each matrix of a batch ``[B, m, n]``; returns
-    ``config.dtype``.
+    ``config.dtype``, contiguous.
 
-    Same arithmetic as ``torch.optim._muon._zeropower_via_newtonschulz`` (cast, transpose tall
-    matrices, divide by the Frobenius norm, then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``);
-    a 2-D input runs exactly its ``mm``/``addmm`` calls, a batch their ``bmm``/``baddbmm`` twins.
+    The iteration of ``torch.optim._muon._zeropower_via_newtonschulz``: cast, divide by the Frobenius
+    norm, then ``X <- a X + (b A + c A A) X`` with the small Gram matrix ``A = X X^T``. For a wide or
+    square matrix these are exactly its ``mm``/``addmm`` calls (bitwise equal; a batch runs their
+    ``bmm``/``baddbmm`` twins). A tall matrix runs the same polynomial from the right,
+    ``X <- a X + X (b A + c A A)`` with ``A = X^T X``, instead of transposing in and out: the same
+    math and flops, but the result comes out contiguous, so slicing it into blocks for the exchange
+    and scaling it are plain copies rather than transposing ones (measured ~30 ms per step on the
+    rank owning the tall MLP matrices of benchmarks/bench_step.py). Its bits may differ from torch's
+    within bf16 rounding.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects [m, n] or [B, m, n] but got shape {tuple(x.shape)}")
     mm, addmm = (torch.mm, torch.addmm) if x.ndim == 2 else (torch.bmm, torch.baddbmm)
     y = x.to(config.dtype)
     tall = y.size(-2) > y.size(-1)
-    if tall:
-        y = y.mT
     norm = y.norm(dim=(-2, -1), keepdim=True)
     if config.norm_scale != 1.0:
         norm = norm * config.norm_scale
     y = y.div(norm.clamp(min=config.eps))
     for a, b, c in config.coefficients:
-        gram = mm(y, y.mT)
-        poly = addmm(gram, gram, gram, beta=b, alpha=c)
-        y = addmm(y, poly, y, beta=a)
-    return y.mT if tall else y
+        if tall:
+            gram = mm(y.mT, y)
+            poly = addmm(gram, gram, gram, beta=b, alpha=c)
+            y = addmm(y, y, poly, beta=a)
+        else:
+            gram = mm(y, y.mT)
+            poly = addmm(gram, gram, gram, beta=b, alpha=c)
+            y = addmm(y, poly, y, beta=a)
+    return y
 
 
 def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:

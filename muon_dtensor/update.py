@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum", "scale_update"]
+__all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum", "scale_updates"]
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -30,31 +30,68 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
     raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
 
 
-def muon_momentum(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, dtype: torch.dtype) -> Tensor:
-    """Update ``buf`` in place to ``m buf + (1 - m) g``; return the Newton-Schulz input in ``dtype``.
+def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
+    """Multiply in place by Python scalars, as ``Tensor.mul_`` does (the scalar kept in fp32 math).
 
-    The same rule as torch.optim.Muon's ``buf.lerp_(g, 1 - m)`` and, with Nesterov, ``g.lerp(buf, m)``.
-    The last add writes ``dtype`` directly: it rounds the float sum to ``dtype`` in the same pass,
-    which is the cast that would follow, so one pass over memory less and the same bits.
+    torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to a bf16/fp16 list's dtype first: bf16 params
+    would decay by bf16(0.998) = 0.996, twice the weight decay asked for (tests/test_update.py). So
+    only full-precision lists take the multi-tensor op.
     """
-    scaled = grad.mul(1.0 - momentum)
-    buf.mul_(momentum).add_(scaled)
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        torch._foreach_mul_(tensors, scalars)
+        return
+    values = list(scalars) if isinstance(scalars, Sequence) else [scalars] * len(tensors)
+    for t, v in zip(tensors, values):
+        t.mul_(v)
+
+
+def muon_momentum(
+    bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float, nesterov: bool, dtype: torch.dtype
+) -> list[Tensor]:
+    """Update each ``buf`` in place to ``m buf + (1 - m) g``; return the Newton-Schulz inputs in ``dtype``.
+
+    The same rule as torch.optim.Muon's ``buf.lerp_(g, 1 - m)`` and, with Nesterov, ``g.lerp(buf, m)``,
+    as multi-tensor (``torch._foreach_*``) ops: a handful of kernel launches for the whole list on
+    CUDA instead of several per parameter, and each still one rounding per element. The last step
+    is the cast to ``dtype`` (the float result rounded once more, as ``.to`` would).
+    """
+    if not bufs:
+        return []
+    scaled = torch._foreach_mul(list(grads), 1.0 - momentum)
+    _mul_(list(bufs), momentum)
+    torch._foreach_add_(list(bufs), scaled)
     if not nesterov:
-        return buf.to(dtype)
-    out = torch.empty_like(buf, dtype=dtype, memory_format=torch.contiguous_format)
-    return torch.add(scaled, buf.mul(momentum), out=out)
+        return [b.to(dtype) for b in bufs]
+    out = torch._foreach_mul(list(bufs), momentum)
+    torch._foreach_add_(out, scaled)
+    if dtype == out[0].dtype:
+        return out
+    cast = [torch.empty_like(o, dtype=dtype, memory_format=torch.contiguous_format) for o in out]
+    torch._foreach_copy_(cast, out)
+    return cast
 
 
-def scale_update(update: Tensor, dtype: torch.dtype, adjusted_lr: float) -> Tensor:
-    """``adjusted_lr * update`` in the parameter's dtype (a fresh tensor unless dtypes match)."""
-    return update.to(dtype).mul_(adjusted_lr)
+def scale_updates(
+    updates: Sequence[Tensor], dtype: torch.dtype, adjusted_lrs: Sequence[float]
+) -> list[Tensor]:
+    """``adjusted_lr * update`` in the parameter's ``dtype``: fresh contiguous tensors, multi-tensor ops."""
+    if not updates:
+        return []
+    out = [torch.empty(u.shape, dtype=dtype, device=u.device) for u in updates]
+    torch._foreach_copy_(out, list(updates))
+    _mul_(out, list(adjusted_lrs))
+    return out
 
 
-def apply_muon_update(param: Tensor, scaled_update: Tensor, *, lr: float, weight_decay: float) -> None:
-    """``param <- param (1 - lr wd) - scaled_update``, decoupled weight decay tied to lr."""
+def apply_muon_update(
+    params: Sequence[Tensor], scaled_updates: Sequence[Tensor], *, lr: float, weight_decay: float
+) -> None:
+    """``param <- param (1 - lr wd) - scaled_update`` for each pair: decoupled weight decay tied to lr."""
+    if not params:
+        return
     if weight_decay != 0.0:
-        param.mul_(1.0 - lr * weight_decay)
-    param.sub_(scaled_update)
+        _mul_(list(params), 1.0 - lr * weight_decay)
+    torch._foreach_sub_(list(params), list(scaled_updates))
 
 
 def adamw_update(

@@ -132,9 +132,8 @@ def test_async_save_while_training(tmp_path) -> None:
 
 def test_checkpoint_at_step_zero(tmp_path) -> None:
     """State exists before the first step, so a step-0 checkpoint is complete and loads."""
-    from tests.workers_fsdp import build
-
     from muon_dtensor import Muon, split_params
+    from tests.workers_fsdp import build
 
     model = build(None)
     opt = Muon(split_params(model))

@@ -59,12 +59,20 @@ def test_singular_values_follow_the_polynomial_and_stay_in_band(preset: str, dty
 
 
 def test_keller_matches_torch_optim_muon_bitwise() -> None:
+    """Wide and square matrices run torch's exact calls; a tall one runs the same polynomial from the
+    right (contiguous result), equal to torch's up to bf16 rounding."""
     gen = torch.Generator().manual_seed(1)
     config = resolve_ns_config((3.4445, -4.7750, 2.0315), 5, 1e-7)
-    for shape in [(48, 80), (80, 48), (64, 64)]:
+    for shape in [(48, 80), (64, 64), (80, 48), (2048, 512)]:
         g = torch.randn(shape, generator=gen)
         ours = newton_schulz(g, config)
-        assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+        theirs = _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert ours.is_contiguous() and ours.dtype == theirs.dtype
+        if shape[0] <= shape[1]:
+            assert torch.equal(ours, theirs)
+        else:
+            rel = (ours.float() - theirs.float()).norm() / theirs.float().norm()
+            assert rel < 1e-2, rel  # another product order: equal up to bf16 rounding
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
