@@ -46,41 +46,33 @@ def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
 
 
 def muon_momentum(
-    bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float, nesterov: bool, dtype: torch.dtype
-) -> list[Tensor]:
-    """Update each ``buf`` in place to ``m buf + (1 - m) g``; return the Newton-Schulz inputs in ``dtype``.
+    bufs: Sequence[Tensor], grads: Sequence[Tensor], out: Sequence[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """Update each ``buf`` in place to ``m buf + (1 - m) g``; write the Newton-Schulz input to ``out``.
 
     The same rule as torch.optim.Muon's ``buf.lerp_(g, 1 - m)`` and, with Nesterov, ``g.lerp(buf, m)``,
-    as multi-tensor (``torch._foreach_*``) ops: a handful of kernel launches for the whole list on
-    CUDA instead of several per parameter, and each still one rounding per element. The last step
-    is the cast to ``dtype`` (the float result rounded once more, as ``.to`` would).
+    as multi-tensor (``torch._foreach_*``) ops: a handful of kernel launches for a whole list on CUDA
+    instead of several per parameter, each still one rounding per element. The copy into ``out``
+    casts to its dtype (the Newton-Schulz dtype): the float result rounded once more, as ``.to`` would.
     """
     if not bufs:
-        return []
+        return
     scaled = torch._foreach_mul(list(grads), 1.0 - momentum)
     _mul_(list(bufs), momentum)
     torch._foreach_add_(list(bufs), scaled)
-    if not nesterov:
-        return [b.to(dtype) for b in bufs]
-    out = torch._foreach_mul(list(bufs), momentum)
-    torch._foreach_add_(out, scaled)
-    if dtype == out[0].dtype:
-        return out
-    cast = [torch.empty_like(o, dtype=dtype, memory_format=torch.contiguous_format) for o in out]
-    torch._foreach_copy_(cast, out)
-    return cast
+    source = list(bufs)
+    if nesterov:
+        source = torch._foreach_mul(source, momentum)
+        torch._foreach_add_(source, scaled)
+    torch._foreach_copy_(list(out), source)
 
 
-def scale_updates(
-    updates: Sequence[Tensor], dtype: torch.dtype, adjusted_lrs: Sequence[float]
-) -> list[Tensor]:
-    """``adjusted_lr * update`` in the parameter's ``dtype``: fresh contiguous tensors, multi-tensor ops."""
+def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[float]) -> None:
+    """``out <- adjusted_lr * update``, in ``out``'s dtype (the parameter's): a cast, then a multiply."""
     if not updates:
-        return []
-    out = [torch.empty(u.shape, dtype=dtype, device=u.device) for u in updates]
-    torch._foreach_copy_(out, list(updates))
-    _mul_(out, list(adjusted_lrs))
-    return out
+        return
+    torch._foreach_copy_(list(out), list(updates))
+    _mul_(list(out), list(adjusted_lrs))
 
 
 def apply_muon_update(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import muon_dtensor.muon_step as muon_step
 from muon_dtensor.update import apply_muon_update, muon_momentum, scale_updates
 
 SHAPES = [(37, 53), (64, 64), (3, 1), (0, 0), (1000, 17)]
@@ -27,7 +28,8 @@ def _reference_momentum(buf: torch.Tensor, grad: torch.Tensor, nesterov: bool) -
 def test_momentum_equals_per_tensor_ops(dtype: torch.dtype, nesterov: bool) -> None:
     grads, bufs = _tensors(dtype, 0), _tensors(dtype, 1)
     ref_bufs = [b.clone() for b in bufs]
-    got = muon_momentum(bufs, grads, 0.95, nesterov, torch.bfloat16)
+    got = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
+    muon_momentum(bufs, grads, got, 0.95, nesterov)
     want = [_reference_momentum(b, g, nesterov) for b, g in zip(ref_bufs, grads)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
@@ -40,10 +42,21 @@ def test_update_equals_per_tensor_ops(dtype: torch.dtype) -> None:
     params, outs = _tensors(dtype, 2), _tensors(torch.bfloat16, 3)
     lrs = [0.02 * (i + 1) for i in range(len(outs))]
     ref = [p.clone() for p in params]
-    apply_muon_update(params, scale_updates(outs, dtype, lrs), lr=0.02, weight_decay=0.1)
+    scaled = [torch.empty(s, dtype=dtype) for s in SHAPES]
+    scale_updates(outs, scaled, lrs)
+    apply_muon_update(params, scaled, lr=0.02, weight_decay=0.1)
     for p, o, lr in zip(ref, outs, lrs):
         p.mul_(1 - 0.02 * 0.1).sub_(o.to(dtype).mul_(lr))
     assert all(torch.equal(a, b) for a, b in zip(params, ref))
+
+
+def _step(grad: torch.Tensor, buf: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    ns_in = torch.empty(buf.shape, dtype=torch.bfloat16)
+    muon_momentum([buf], [grad], [ns_in], 0.95, True)
+    scaled = torch.empty(param.shape, dtype=param.dtype)
+    scale_updates([ns_in], [scaled], [0.3])
+    apply_muon_update([param], [scaled], lr=0.02, weight_decay=0.1)
+    return ns_in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,11 +64,25 @@ def test_rows_of_a_shard_equal_rows_of_the_full_result(dtype: torch.dtype) -> No
     gen = torch.Generator().manual_seed(4)
     grad, buf, param = (torch.randn(101, 37, generator=gen).to(dtype) for _ in range(3))
     full_buf, full_param = buf.clone(), param.clone()
-    full_in = muon_momentum([full_buf], [grad], 0.95, True, torch.bfloat16)[0]
-    apply_muon_update([full_param], scale_updates([full_in], dtype, [0.3]), lr=0.02, weight_decay=0.1)
+    full_in = _step(grad, full_buf, full_param)
     for start, stop in [(0, 50), (50, 101), (7, 8), (13, 77)]:
         b, p = buf[start:stop].clone(), param[start:stop].clone()
-        ns_in = muon_momentum([b], [grad[start:stop]], 0.95, True, torch.bfloat16)[0]
-        apply_muon_update([p], scale_updates([ns_in], dtype, [0.3]), lr=0.02, weight_decay=0.1)
+        ns_in = _step(grad[start:stop], b, p)
         assert torch.equal(ns_in, full_in[start:stop]) and torch.equal(b, full_buf[start:stop])
         assert torch.equal(p, full_param[start:stop])
+
+
+def test_cpu_pieces_cover_every_element_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache-sized pieces: every element of every tensor in exactly one piece, aligned across groups."""
+    monkeypatch.setattr(muon_step, "CPU_PIECE_ELEMENTS", 100)
+    a = [torch.zeros(s) for s in [(30, 7), (5, 5), (0, 0), (401,)]] + [torch.zeros(8, 40).mT]
+    b = [torch.zeros_like(t) for t in a]
+    for index, (pa, pb) in muon_step.elementwise_buckets([a, b]):
+        assert sum(t.numel() for t in pa) <= 100 or len(pa) == 1
+        for i, x, y in zip(index, pa, pb):
+            assert x.shape == y.shape and x.numel() <= max(
+                100, a[i].numel() if not a[i].is_contiguous() else 0
+            )
+            x.add_(1)
+            y.add_(2)
+    assert all(bool((t == 1).all()) for t in a) and all(bool((t == 2).all()) for t in b)
