@@ -5,7 +5,7 @@ Measures, each with one torch thread as the optimizer runs here:
 1. the bf16 Newton-Schulz flop rate: ``newton_schulz`` on one matrix of each shape of the sets
    (the CPU path runs one matrix at a time), flops from ``ns_flops``;
 2. the elementwise memory rate: ``update.muon_momentum`` + ``apply_muon_update`` on large fp32
-   tensors, counting the bytes the model counts for them (``Implementation``: 96 per element);
+   tensors, counting the bytes the model counts for them (``Implementation``: 88 per element);
 3. the host overhead of one eager op: a ``muon_dtensor.Muon`` step over many tiny matrices, divided
    by the ops the model counts for it (so it includes Python per matrix, not only dispatch);
 4. gloo all-to-all between 2 local ranks (``launch.run_ranks``): latency and bandwidth fitted over
@@ -88,17 +88,21 @@ def measure_ns(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
 
 
 def measure_memory(numel: int = 2**22) -> dict[str, float]:
-    """The momentum and update passes on ``numel`` fp32 elements; bytes as the model counts them."""
+    """The momentum and update passes on ``numel`` fp32 elements, in the pieces the step uses
+    (``muon_step.elementwise_buckets``); bytes as the model counts them."""
+    from muon_dtensor.muon_step import elementwise_buckets
     from muon_dtensor.update import apply_muon_update, muon_momentum, scale_updates
 
     gen = torch.Generator().manual_seed(SEED)
     param, grad, buf = (torch.randn(numel, generator=gen) for _ in range(3))
 
     def passes() -> None:
-        nesterov_input = muon_momentum([buf], [grad], 0.95, True, torch.bfloat16)
-        apply_muon_update(
-            [param], scale_updates(nesterov_input, param.dtype, [0.02]), lr=0.02, weight_decay=0.1
-        )
+        ns_in, scaled = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel)
+        for _, (b, g, out) in elementwise_buckets([[buf], [grad], [ns_in]]):
+            muon_momentum(b, g, out, 0.95, True)
+        for _, (p, u, s) in elementwise_buckets([[param], [ns_in], [scaled]]):
+            scale_updates(u, s, [0.02])
+            apply_muon_update(p, s, lr=0.02, weight_decay=0.1)
 
     seconds = median_seconds(passes, reps=7)
     return {"bytes": numel * (CURRENT_CPU.pre_bytes + CURRENT_CPU.post_bytes), "seconds": seconds}

@@ -1,27 +1,30 @@
 """Predict the time of one Muon optimizer step from matrix shapes, the shard-group size and hardware.
 
-Pure arithmetic over the plan (``plan.build_plan`` on ``Shard(0)`` blocks, as FSDP2 lays them out):
-no process group, no device. A step is three phases, as ``optimizer.Muon._muon_step`` runs them:
+Pure arithmetic over the plan (``plan.build_plan`` on ``Shard(0)`` blocks, as FSDP2 lays them out,
+with the optimizer's default exchange rounds): no process group, no device. A step is three phases,
+as ``muon_step.muon_step`` runs them:
 
-1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local fp32 shards
-   (memory-bound), and packing the blocks for the first all-to-all;
-2. **mid**: per round, the all-to-all to the owners, assembly of full matrices, Newton-Schulz on the
-   busiest rank's share (compute-bound), packing and the all-to-all back;
-3. **post**: weight decay and the update on local shards (memory-bound).
+1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local shards
+   (memory-bound multi-tensor ops), and packing blocks for the all-to-alls;
+2. **mid**: the rounds of ``exchange.run_plan``, pipelined as it issues them: round k+1's all-to-all
+   to the owners and round k-1's all-to-all back travel while round k's matrices are assembled and
+   orthogonalized (one collective stream in issue order, one compute stream; ``_pipeline``);
+3. **post**: the scaled update and weight decay on local shards (memory-bound).
 
 Each phase costs device time (bytes over memory bandwidth, flops over the matmul rate, link bytes over
 link bandwidth plus a latency per collective) and host time (eager ops times a per-op overhead). On an
-asynchronous device (CUDA) the host runs ahead: a phase takes the larger of the two and the host's
+asynchronous device (CUDA) the host runs ahead: a phase takes the larger of the two, and the host's
 post-phase work hides behind the device's mid phase; on a CPU they add up.
 
-Every rank holds a block of every matrix, so a rank's elementwise work is its local share; Newton-
-Schulz work is the busiest rank's plan load (owner mode) or all of it (gather mode); link traffic is
-counted per rank and per collective from the plan, split into intra-node and inter-node bytes, and a
-collective ends when its busiest rank's busiest link is done. Its per-rank sum equals
+Every rank holds a block of every matrix, so a rank's elementwise work is its local share. A round's
+Newton-Schulz is its busiest rank's share of that round (owner mode) or all of it (gather mode). Link
+traffic is counted per rank and per collective from the plan, split into intra-node and inter-node
+bytes, and a collective ends when its busiest rank's busiest link is done; its per-rank sum equals
 ``Plan.bytes_sent`` (``tests/test_costmodel.py`` checks it).
 
 What is left out: overlap inside a collective's own algorithm, link contention beyond one link each way
-per GPU, reduced clocks, and kernel-efficiency changes with matrix size (one matmul rate for all).
+per GPU, compute slowed by a concurrent collective, reduced clocks, and kernel efficiency changing with
+matrix size (one matmul rate for all).
 """
 
 from __future__ import annotations
@@ -31,15 +34,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from .hardware import Hardware, fit_latency_bandwidth
 from .layout import AxisShard, Block, block_numel, shard_blocks
 from .newton_schulz import ns_flops
-from .plan import EVERYONE, MatrixEntry, Plan, build_plan
+from .plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
 
 __all__ = [
     "CURRENT",
     "CURRENT_CPU",
     "FUSED",
-    "FUSED_OVERLAP",
     "LLAMA3_70B",
     "LLAMA3_8B",
     "Hardware",
@@ -55,132 +58,40 @@ Shape = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class Hardware:
-    """What one accelerator and its links do. Rates in FLOP/s and bytes/s, times in seconds.
-
-    ``memory_bandwidth`` counts bytes read plus bytes written. Link bandwidths are per GPU and per
-    direction (a send and a receive can run at once). ``op_overhead`` is the host time of one eager
-    tensor op (dispatch and launch); ``async_host`` says whether the device runs while the host
-    issues more work (CUDA streams) or not (CPU ops run on the calling thread).
-    """
-
-    matmul_flops: float
-    memory_bandwidth: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    gpus_per_node: int
-    collective_latency: float
-    op_overhead: float = 0.0
-    async_host: bool = True
-
-    @classmethod
-    def h200(cls, **overrides: float | int | bool) -> Hardware:
-        """One H200 SXM in an 8-GPU HGX node with NVLink 4 and one 400 Gb/s InfiniBand NIC per GPU."""
-        # bf16 matmul: the datasheet's dense peak is ~989 TFLOP/s; an 8192^3 bf16 torch.mm on random data
-        # measured 769-798 TFLOP/s on this workplace's H200s (/work/.library/device/KINDS.md, 2026-10-28
-        # and 2026-11-04; H200.md: "bf16 matrix work at about 790 TFLOP/s"). 666 TFLOP / 790 = 843 ms,
-        # the issue's redundant Newton-Schulz figure for Llama-3-8B.
-        # Memory: HBM3e 4.8 TB/s by the datasheet; a device-to-device copy measured ~4.3 TB/s counting
-        # bytes read plus written (KINDS.md, same dates).
-        # NVLink 4: 18 links x 50 GB/s = 900 GB/s bidirectional per GPU, 450 GB/s each way (peak;
-        # NVSwitch all-to-all reaches less, so this is optimistic).
-        # InfiniBand NDR: 400 Gb/s = 50 GB/s each way per NIC, one NIC per GPU on HGX H200 (peak).
-        # Latency: an assumption (tens of microseconds for a small NCCL collective), not a measurement.
-        # Op overhead: an assumption (a few microseconds of host time per eager CUDA op in PyTorch).
-        base = cls(
-            matmul_flops=790e12,
-            memory_bandwidth=4.3e12,
-            intra_node_bandwidth=450e9,
-            inter_node_bandwidth=50e9,
-            gpus_per_node=8,
-            collective_latency=50e-6,
-            op_overhead=5e-6,
-            async_host=True,
-        )
-        return replace(base, **overrides)
-
-    @classmethod
-    def from_measurements(
-        cls,
-        *,
-        matmul: Sequence[tuple[float, float]],
-        memory: Sequence[tuple[float, float]],
-        link: Sequence[tuple[float, float]],
-        gpus_per_node: int,
-        inter_link: Sequence[tuple[float, float]] | None = None,
-        op_overhead: float = 0.0,
-        async_host: bool = False,
-    ) -> Hardware:
-        """Rates from measured ``(work, seconds)`` pairs: flops, bytes read + written, and link bytes
-        sent per rank (each rank also receiving as many). Matmul and memory rates are total work over
-        total time; a link's latency and bandwidth are a least-squares fit of ``t = latency + b / bw``
-        (``inter_link`` defaults to ``link``, for a machine that is one node)."""
-        latency, bandwidth = fit_latency_bandwidth(link)
-        _, inter = fit_latency_bandwidth(inter_link) if inter_link else (latency, bandwidth)
-        return cls(
-            matmul_flops=_rate(matmul),
-            memory_bandwidth=_rate(memory),
-            intra_node_bandwidth=bandwidth,
-            inter_node_bandwidth=inter,
-            gpus_per_node=gpus_per_node,
-            collective_latency=latency,
-            op_overhead=op_overhead,
-            async_host=async_host,
-        )
-
-
-def _rate(pairs: Sequence[tuple[float, float]]) -> float:
-    work, seconds = sum(w for w, _ in pairs), sum(s for _, s in pairs)
-    if work <= 0 or seconds <= 0:
-        raise ValueError(f"need positive work and time to compute a rate but got {list(pairs)}")
-    return work / seconds
-
-
-def fit_latency_bandwidth(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``seconds = latency + bytes / bandwidth``; latency clamped at 0. One pair: no latency."""
-    if not pairs:
-        raise ValueError("need at least one (bytes, seconds) measurement of the link")
-    if len({b for b, _ in pairs}) < 2:
-        return 0.0, _rate(pairs)
-    n = len(pairs)
-    mean_b = sum(b for b, _ in pairs) / n
-    mean_t = sum(t for _, t in pairs) / n
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in pairs) / sum((b - mean_b) ** 2 for b, _ in pairs)
-    if slope <= 0:
-        raise ValueError(f"link time does not grow with bytes: {list(pairs)}")
-    return max(mean_t - slope * mean_b, 0.0), 1.0 / slope
-
-
-@dataclass(frozen=True)
 class Implementation:
-    """What the step's code does per element and per matrix, apart from the machine.
+    """What the step's code does per element, per matrix and per bucket, apart from the machine.
 
-    The defaults count the code as built (``update.py``, ``exchange.py``, ``comm.py``), in bytes read
-    plus written per local fp32 element and in eager ops per local matrix:
-    momentum ``buf.mul_`` 8, ``grad.mul`` 8, ``add_`` 12; Nesterov ``grad.mul`` 8, ``buf.mul`` 8,
-    ``add_`` 12; cast to bf16 6: 62 bytes, 7 ops. Update ``param.mul_`` 8, ``.to(fp32)`` 6, ``mul_`` 8,
-    ``sub_`` 12: 34 bytes, 4 ops. Every bf16 element packed for an all-to-all (``torch.cat``) or
-    assembled into a full matrix costs a read and a write: 4 bytes.
+    The defaults count the code as built (``update.py``, ``muon_step.py``, ``exchange.py``), in bytes
+    read plus written per local element (fp32) and in eager ops. Momentum: ``grad * (1 - m)`` 8,
+    ``buf *= m`` 8, ``buf += `` 12; Nesterov ``buf * m`` 8, ``+=`` 12; copy to bf16 6: 54 bytes.
+    Update: copy to fp32 6, ``*= lr`` 8, ``param *= 1 - lr wd`` 8, ``-=`` 12: 34 bytes. Every bf16
+    element packed for an all-to-all or assembled into a full matrix is read and written: 4 bytes.
+    Host: per local matrix, 2 ops before (allocate its Newton-Schulz input, cut its block) and 2 after
+    (reshape, allocate its scaled update); per bucket of ``bucket_elements``, 10 multi-tensor calls
+    (momentum 6, scale 2, update 2).
     """
 
-    pre_bytes: float = 62.0
+    pre_bytes: float = 54.0
     post_bytes: float = 34.0
     copy_bytes: float = 4.0
-    pre_ops: int = 7
-    post_ops: int = 4
-    fixed_ops: int = 0  # per step, independent of the number of matrices (multi-tensor kernels)
-    batched_ns: bool = True  # one Newton-Schulz call per shape per rank (CUDA) or per matrix (CPU)
-    pipeline_rounds: int = 1  # > 1: the exchange overlaps Newton-Schulz in that many stages
+    pre_ops: int = 2
+    post_ops: int = 2
+    pre_bucket_ops: int = 6
+    post_bucket_ops: int = 4
+    bucket_elements: int = 1 << 26  # muon_step.BUCKET_ELEMENTS
+    batched_ns: bool = True  # one Newton-Schulz call per shape per round (CUDA) or per matrix (CPU)
+    max_round_bytes: int | None = DEFAULT_ROUND_BYTES  # None: one round, no overlap
 
 
 CURRENT = Implementation()
-# newton_schulz.orthogonalize runs one matrix at a time on CPU (oneDNN's batched bf16 GEMM was slower).
-CURRENT_CPU = Implementation(batched_ns=False)
-# Not built: one fused pass for momentum (read g, buf; write buf, bf16 input: 4+4+4+2) and one for the
-# update (read param, bf16 output; write param: 4+2+4) as multi-tensor kernels, 11 of them per step.
-FUSED = Implementation(pre_bytes=14.0, post_bytes=10.0, pre_ops=0, post_ops=0, fixed_ops=11)
-# Not built: FUSED plus the exchange pipelined with Newton-Schulz in 4 stages.
-FUSED_OVERLAP = replace(FUSED, pipeline_rounds=4)
+# On CPU: Newton-Schulz one matrix at a time (oneDNN's batched bf16 GEMM was slower) and elementwise
+# work in cache-sized pieces (muon_step.CPU_PIECE_ELEMENTS).
+CURRENT_CPU = Implementation(batched_ns=False, bucket_elements=1 << 17)
+# Not built: one fused kernel for momentum (read g, buf; write buf, bf16 input: 4+4+4+2) and one for
+# the update (read param, bf16 result; write param: 4+2+4) per bucket.
+FUSED = replace(
+    CURRENT, pre_bytes=14.0, post_bytes=10.0, pre_ops=1, post_ops=1, pre_bucket_ops=1, post_bucket_ops=1
+)
 
 
 @dataclass(frozen=True)
@@ -229,10 +140,12 @@ def _blocks(shape: Shape, ranks: int) -> tuple[Block, ...]:
     return shard_blocks(shape, [AxisShard(0, 0, ranks)])
 
 
-def sharded_plan(shapes: Sequence[Shape], world_size: int, mode: str = "owner") -> Plan:
+def sharded_plan(
+    shapes: Sequence[Shape], world_size: int, mode: str = "owner", max_round_bytes: int | None = None
+) -> Plan:
     """The plan for ``shapes`` laid out as FSDP2 does (``Shard(0)`` over ``world_size`` ranks)."""
     entries = [MatrixEntry(tuple(s), _blocks(tuple(s), world_size)) for s in shapes]  # type: ignore[arg-type]
-    return build_plan(entries, world_size, mode)
+    return build_plan(entries, world_size, mode, max_round_bytes=max_round_bytes)
 
 
 @dataclass
@@ -281,76 +194,95 @@ def _to_owner_links(
     return links
 
 
-def _comm(plan: Plan, hw: Hardware, itemsize: int) -> tuple[float, int, list[float]]:
-    """Seconds in all-to-alls, their number, and the bytes each rank sends over the step."""
+def _round_comm(plan: Plan, rnd: Round, hw: Hardware, itemsize: int) -> tuple[float, float, list[float]]:
+    """Seconds of a round's all-to-all to the owners and back (0 in gather mode), and bytes sent per rank."""
     n = plan.group_size
-    sent = [0.0] * n
     if n == 1:
-        return 0.0, 0, sent
-    seconds, count = 0.0, 0
-    for rnd in plan.rounds:
-        links = _to_owner_links(plan, rnd.members, rnd.owners, itemsize, hw.gpus_per_node)
-        # Owner mode sends the results back: the same traffic with send and receive swapped.
-        trips = 1 if plan.mode == "gather" else 2
-        seconds += trips * links.seconds(hw)
-        count += trips
-        for r in range(n):
-            sent[r] += links.send_intra[r] + links.send_inter[r]
-            if trips == 2:
-                sent[r] += links.recv_intra[r] + links.recv_inter[r]
-    return seconds, count, sent
+        return 0.0, 0.0, [0.0]
+    links = _to_owner_links(plan, rnd.members, rnd.owners, itemsize, hw.gpus_per_node)
+    seconds = links.seconds(hw)
+    back = plan.mode == "owner"  # the results return over the same links, send and receive swapped
+    sent = [
+        links.send_intra[r]
+        + links.send_inter[r]
+        + (links.recv_intra[r] + links.recv_inter[r] if back else 0.0)
+        for r in range(n)
+    ]
+    return seconds, seconds if back else 0.0, sent
 
 
-def _mid_device(ns: float, comm: float, rounds: int) -> float:
-    """Exchange and Newton-Schulz; with pipelining the shorter hides behind the longer but one stage."""
-    if rounds <= 1:
-        return ns + comm
-    return max(ns, comm) + min(ns, comm) / rounds
+def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, ns_steps: int) -> float:
+    """The busiest rank's device seconds in a round: assemble its matrices, orthogonalize, pack results."""
+    n, worst = plan.group_size, 0.0
+    copies = 0 if n == 1 else (1 if plan.mode == "gather" else 2)  # assemble (+ pack back)
+    for r in range(n):
+        mine = rnd.owned_by(r)
+        flops = sum(ns_flops(plan.entries[m].shape, ns_steps) for m in mine)
+        elems = sum(math.prod(plan.entries[m].shape) for m in mine)
+        worst = max(worst, flops / hw.matmul_flops + copies * elems * impl.copy_bytes / hw.memory_bandwidth)
+    return worst
 
 
-def _counts(plan: Plan, impl: Implementation, ns_steps: int) -> dict[str, float]:
-    """Elements and op counts of the busiest rank (the same rank for all, a safe upper bound)."""
-    n = plan.group_size
-    local = max(sum(block_numel(e.blocks[r]) for e in plan.entries) for r in range(n))
+def _pipeline(compute: Sequence[float], to_owner: Sequence[float], back: Sequence[float]) -> float:
+    """Device seconds of ``exchange.run_plan``'s rounds. Collectives run one at a time in issue order
+    (in 0, in 1, out 0, in 2, out 1, ...); round k's compute waits for in k, out k for round k."""
+    comm = to_owner[0]
+    done_in = [comm] + [0.0] * (len(compute) - 1)
+    busy = 0.0
+    for k, seconds in enumerate(compute):
+        if k + 1 < len(compute):
+            comm += to_owner[k + 1]
+            done_in[k + 1] = comm
+        busy = max(busy, done_in[k]) + seconds
+        comm = max(comm, busy) + back[k]
+    return max(comm, busy)
+
+
+def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tuple[float, float, float]:
+    """Eager ops before, during and after the exchange, on the busiest rank."""
+    n, matrices = plan.group_size, len(plan.entries)
     owned = [[i for rnd in plan.rounds for i in rnd.owned_by(r)] for r in range(n)]
-    owned_elems = max(sum(math.prod(plan.entries[i].shape) for i in mine) for mine in owned)
     owned_count = max(len(mine) for mine in owned)
-    shapes_owned = max(len({plan.entries[i].shape for i in mine}) for mine in owned)
-    ns_calls = shapes_owned * len(plan.rounds) if impl.batched_ns else owned_count
-    exchanged = n > 1
-    return {
-        "local": local,
-        "pack": (n if plan.mode == "gather" else 1) * local if exchanged else 0,
-        "assemble": owned_elems if exchanged else 0,
-        "pack_back": owned_elems if exchanged and plan.mode == "owner" else 0,
-        "ns_ops": ns_calls * (3 + 3 * ns_steps),
-        "assemble_ops": owned_count * n if exchanged else 0,
-    }
+    shapes_per_round = max(
+        len({plan.entries[i].shape for i in rnd.owned_by(r)}) for rnd in plan.rounds for r in range(n)
+    )
+    ns_calls = shapes_per_round * len(plan.rounds) if impl.batched_ns else owned_count
+    if n == 1:
+        exchange = 0
+    elif plan.mode == "gather":  # pack each block for n - 1 ranks, assemble every matrix from n blocks
+        exchange = matrices * (n - 1) + owned_count * n
+    else:  # pack each block once, assemble owned matrices from n blocks, pack n - 1 results back
+        exchange = matrices + owned_count * (2 * n - 1)
+    collectives = 0 if n == 1 else 2 * len(plan.rounds) + 1
+    buckets = math.ceil(local / impl.bucket_elements)
+    pre = matrices * impl.pre_ops + buckets * impl.pre_bucket_ops
+    post = matrices * impl.post_ops + buckets * impl.post_bucket_ops
+    return pre, ns_calls * (3 + 3 * ns_steps) + exchange + collectives, post
 
 
 def _phases(plan: Plan, hw: Hardware, impl: Implementation, ns_steps: int, itemsize: int) -> dict[str, float]:
     """Device and host seconds of the pre, mid and post phases, and the exchange's parts."""
-    ns = max(plan.loads) * ns_steps / hw.matmul_flops
-    comm, collectives, sent = _comm(plan, hw, itemsize)
-    if plan.group_size > 1:  # the preflight all-reduce
-        comm += hw.collective_latency
-        collectives += 1
-    c = _counts(plan, impl, ns_steps)
-    bw, op, matrices = hw.memory_bandwidth, hw.op_overhead, len(plan.entries)
-    copies = (c["assemble"] + c["pack_back"]) * impl.copy_bytes / bw
+    n = plan.group_size
+    comm = [_round_comm(plan, rnd, hw, itemsize) for rnd in plan.rounds]
+    compute = [_round_compute(plan, rnd, hw, impl, ns_steps) for rnd in plan.rounds]
+    sent = [sum(c[2][r] for c in comm) for r in range(n)]
+    preflight = hw.collective_latency if n > 1 else 0.0
+    local = max(sum(block_numel(e.blocks[r]) for e in plan.entries) for r in range(n))
+    pack = local * (n - 1) / n * (n if plan.mode == "gather" else 1)
+    pre, mid, post = _host_ops(plan, impl, ns_steps, local)
     return {
-        "ns": ns,
-        "comm": comm,
-        "collectives": collectives,
-        "sent_mean": sum(sent) / plan.group_size,
+        "ns": max(plan.loads) * ns_steps / hw.matmul_flops,
+        "comm": preflight + sum(c[0] + c[1] for c in comm),
+        "collectives": (2 if plan.mode == "owner" else 1) * len(plan.rounds) + 1 if n > 1 else 0,
+        "sent_mean": sum(sent) / n,
         "sent_max": max(sent),
-        "pre_dev": (c["local"] * impl.pre_bytes + c["pack"] * impl.copy_bytes) / bw,
-        "mid_dev": _mid_device(ns, comm, impl.pipeline_rounds) + copies,
-        "post_dev": c["local"] * impl.post_bytes / bw,
-        "copies": copies,
-        "pre_host": (matrices * impl.pre_ops + impl.fixed_ops / 2) * op,
-        "mid_host": (c["ns_ops"] + c["assemble_ops"] + collectives) * op,
-        "post_host": (matrices * impl.post_ops + impl.fixed_ops / 2) * op,
+        "preflight": preflight,
+        "pre_dev": preflight + (local * impl.pre_bytes + pack * impl.copy_bytes) / hw.memory_bandwidth,
+        "mid_dev": _pipeline(compute, [c[0] for c in comm], [c[1] for c in comm]),
+        "post_dev": local * impl.post_bytes / hw.memory_bandwidth,
+        "pre_host": pre * hw.op_overhead,
+        "mid_host": mid * hw.op_overhead,
+        "post_host": post * hw.op_overhead,
     }
 
 
@@ -370,7 +302,7 @@ def predict(
     if mode == "redundant":
         ns = sum(ns_flops(s, ns_steps) for s in shapes) / hw.matmul_flops
         return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0)
-    plan = sharded_plan(shapes, world_size, mode)
+    plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
     p = _phases(plan, hw, impl, ns_steps, itemsize)
     if hw.async_host:  # the host runs ahead of the device; its post work hides behind the exchange
         total = max(p["pre_dev"], p["pre_host"]) + max(
@@ -384,7 +316,7 @@ def predict(
         total=total,
         newton_schulz=p["ns"],
         comm=p["comm"],
-        memory=p["pre_dev"] + p["post_dev"] + p["copies"],
+        memory=p["pre_dev"] - p["preflight"] + p["post_dev"],
         host=p["pre_host"] + p["mid_host"] + p["post_host"],
         collectives=int(p["collectives"]),
         bytes_sent_mean=p["sent_mean"],

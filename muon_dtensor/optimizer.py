@@ -18,6 +18,7 @@ from .comm import CommStats, sum_over_mesh
 from .muon_step import Domain, MuonHyper, build_domains, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, resolve_ns_config
 from .placement import ParamLayout, describe, local_grad, local_of
+from .plan import DEFAULT_ROUND_BYTES
 from .update import adamw_update
 from .validation import (
     PreflightItem,
@@ -36,7 +37,6 @@ EPS = 1e-7
 DEFAULT_NS_STEPS = 5
 # torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-DEFAULT_ROUND_BYTES = 4 << 20
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -6,9 +6,10 @@ talking to the others, and a plan for 1,024 ranks can be built and checked in a 
 Owners balance Newton-Schulz flops with the longest-processing-time rule (Graham, 1969): matrices in
 order of decreasing cost, each to the least-loaded rank, ties to the lower rank. Matrices travel in
 rounds: one all-to-all carries a round's blocks to their owners, each owner orthogonalizes its
-same-shape matrices of the round together, one all-to-all brings the results back. By default a
-step is one round, so every rank waits only for the busiest rank's whole share (the balanced
-quantity); ``max_round_bytes`` splits it into several rounds to bound the transient memory.
+same-shape matrices of the round together, one all-to-all brings the results back.
+``max_round_bytes`` splits a step into several rounds: that bounds the transient memory, and
+exchange.run_plan overlaps one round's all-to-alls with another's Newton-Schulz. The optimizer's
+default is ``DEFAULT_ROUND_BYTES``; ``None`` makes the step one round.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from dataclasses import dataclass
 from .layout import Block, block_numel
 from .newton_schulz import ns_flops
 
-__all__ = ["EVERYONE", "MatrixEntry", "Plan", "Round", "build_plan"]
+__all__ = ["DEFAULT_ROUND_BYTES", "EVERYONE", "MatrixEntry", "Plan", "Round", "build_plan"]
 
 # Owner value meaning "every rank of the group computes this matrix" (gather mode).
 EVERYONE = -1
+# Full matrices (bf16) per exchange round by default: 16% faster than one round and a quarter of its
+# exchange buffers on the 8 x 512 benchmark set (docs/benchmarks.md, bench_rounds.py).
+DEFAULT_ROUND_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)

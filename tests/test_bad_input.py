@@ -28,5 +28,11 @@ def test_bad_input_raises_on_every_rank(case: str, error: str, pattern: str) -> 
         assert __import__("re").search(pattern, message), f"rank {rank}: {message}"
 
 
+def test_rank_outside_a_parameters_mesh_raises_there_only() -> None:
+    (kind0, message0), (kind1, message1) = run_ranks(run_case, 2, "rank_outside_mesh", timeout=60)
+    assert (kind0, message0) == ("none", "")
+    assert kind1 == "ValueError" and "'stage0.w'" in message1 and "rank 1 is not part of its mesh" in message1
+
+
 def test_parameter_without_gradient_anywhere_is_skipped() -> None:
     assert run_ranks(no_grad_anywhere_is_skipped, 2, timeout=60) == [True, True]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
@@ -72,6 +72,16 @@ def params_on_two_meshes() -> None:
     Muon([("a.w", a), ("b.w", b)])
 
 
+def rank_outside_mesh() -> None:
+    """A pipeline stage's parameter handed to a rank outside that stage: that rank raises at
+    construction, naming it; the stage's own rank builds and steps without a collective to wait on."""
+    stage0 = DeviceMesh("cpu", [0])
+    p = _param((6, 4), stage0)
+    opt = Muon([("stage0.w", p)], lr=0.1)
+    p.grad = _grad_like(p)
+    opt.step()
+
+
 def non_2d_dtensor() -> None:
     Muon([("blocks.0.conv", _param((4, 3, 2), _mesh()))])
 
@@ -107,6 +117,7 @@ CASES: dict[str, Callable[[], None]] = {
         sparse_grad_on_one_rank,
         mislaid_grad_on_one_rank,
         params_on_two_meshes,
+        rank_outside_mesh,
         non_2d_dtensor,
         complex_dtensor,
         partial_param,
