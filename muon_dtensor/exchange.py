@@ -6,7 +6,8 @@ For one round of the plan, on group rank ``me``:
   3. orthogonalize my same-shape matrices together;
   4. send every rank its block of each result (gather mode: slice locally): one all-to-all.
 Assembly and slicing follow the plan's blocks, so any layout that the layout module can describe is
-exchanged the same way.
+exchanged the same way. A rank's blocks of the matrices it owns never enter a collective: they are
+read from (and results sliced into) local tensors, which saves one copy each way.
 """
 
 from __future__ import annotations
