@@ -45,6 +45,20 @@ def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
         t.mul_(v)
 
 
+def _copy_(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` (casting): one multi-tensor call when each list has one dtype.
+
+    Mixed dtypes copy one tensor at a time: pytorch/pytorch#173383 (January 2026) reports CUDA's
+    ``_foreach_copy_`` choosing its kernel from the first pair's dtypes and writing wrong values into
+    destinations of another dtype, and we support torch releases from before its fix.
+    """
+    if len({t.dtype for t in dst}) <= 1 and len({t.dtype for t in src}) <= 1:
+        torch._foreach_copy_(dst, src)
+        return
+    for d, t in zip(dst, src):
+        d.copy_(t)
+
+
 def muon_momentum(
     bufs: Sequence[Tensor], grads: Sequence[Tensor], out: Sequence[Tensor], momentum: float, nesterov: bool
 ) -> None:
@@ -64,14 +78,14 @@ def muon_momentum(
     if nesterov:
         source = torch._foreach_mul(source, momentum)
         torch._foreach_add_(source, scaled)
-    torch._foreach_copy_(list(out), source)
+    _copy_(list(out), source)
 
 
 def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[float]) -> None:
     """``out <- adjusted_lr * update``, in ``out``'s dtype (the parameter's): a cast, then a multiply."""
     if not updates:
         return
-    torch._foreach_copy_(list(out), list(updates))
+    _copy_(list(out), list(updates))
     _mul_(list(out), list(adjusted_lrs))
 
 

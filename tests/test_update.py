@@ -86,3 +86,19 @@ def test_cpu_pieces_cover_every_element_once(monkeypatch: pytest.MonkeyPatch) ->
             x.add_(1)
             y.add_(2)
     assert all(bool((t == 1).all()) for t in a) and all(bool((t == 2).all()) for t in b)
+
+
+def test_mixed_dtype_lists_cast_each_tensor_to_its_own_dtype() -> None:
+    """One bucket may hold fp32 and bf16 parameters; each result lands in its own dtype."""
+    outs = [t.to(torch.bfloat16) for t in _tensors(torch.float32, 5)]
+    dtypes = [torch.float32, torch.bfloat16] * 3
+    scaled = [torch.empty(o.shape, dtype=d) for o, d in zip(outs, dtypes)]
+    scale_updates(outs, scaled, [0.5] * len(outs))
+    for o, d, got in zip(outs, dtypes, scaled):
+        assert got.dtype == d and torch.equal(got, o.to(d).mul_(0.5))
+    grads = [g.to(d) for g, d in zip(_tensors(torch.float32, 6), dtypes)]
+    bufs = [b.to(d) for b, d in zip(_tensors(torch.float32, 7), dtypes)]
+    ref = [b.clone() for b in bufs]
+    got = [torch.empty(b.shape, dtype=torch.bfloat16) for b in bufs]
+    muon_momentum(bufs, grads, got, 0.95, True)
+    assert all(torch.equal(a, _reference_momentum(b, g, True)) for a, b, g in zip(got, ref, grads))
