@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import set_shapes, system_info, wait_for_quiet  # noqa: E402
-from muon_dtensor.costmodel import CURRENT_CPU, Hardware, predict  # noqa: E402
+from muon_dtensor.planning.costmodel import CURRENT_CPU, Hardware, predict  # noqa: E402
 from muon_dtensor.newton_schulz import newton_schulz, ns_flops, resolve_ns_config  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "calibrate.json"
@@ -90,8 +90,8 @@ def measure_ns(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
 def measure_memory(numel: int = 2**22) -> dict[str, float]:
     """The momentum and update passes on ``numel`` fp32 elements, in the pieces the step uses
     (``muon_step.elementwise_buckets``); bytes as the model counts them."""
-    from muon_dtensor.muon_step import elementwise_buckets
-    from muon_dtensor.update import apply_muon_update, muon_momentum, scale_updates
+    from muon_dtensor.functional import elementwise_buckets
+    from muon_dtensor.elementwise import apply_muon_update, muon_momentum, scale_updates
 
     gen = torch.Generator().manual_seed(SEED)
     param, grad, buf = (torch.randn(numel, generator=gen) for _ in range(3))
@@ -167,7 +167,7 @@ def step_rank(set_name: str, warmup: int, steps: int) -> list[float]:
 def calibrate(sets: list[str]) -> tuple[Hardware, dict[str, Any]]:
     """Run the microbenchmarks and fit ``Hardware``; the raw measurements too."""
     from benchmarks import calibrate as me  # run_ranks imports rank functions by module name
-    from muon_dtensor.launch import run_ranks
+    from muon_dtensor.demo.launch import run_ranks
 
     torch.set_num_threads(1)
     shapes = [s for name in sets for s in set_shapes(name)]
@@ -191,7 +191,7 @@ def calibrate(sets: list[str]) -> tuple[Hardware, dict[str, Any]]:
 def compare(hw: Hardware, sets: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measured and predicted owner steps at 1 and 2 ranks for each set."""
     from benchmarks import calibrate as me
-    from muon_dtensor.launch import run_ranks
+    from muon_dtensor.demo.launch import run_ranks
 
     rows = []
     for name in sets:

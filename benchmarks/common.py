@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from muon_dtensor.costmodel import transformer_shapes
+from muon_dtensor.planning.costmodel import transformer_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16_BYTES = 2

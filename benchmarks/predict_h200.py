@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from muon_dtensor.costmodel import (  # noqa: E402
+from muon_dtensor.planning.costmodel import (  # noqa: E402
     CURRENT,
     FUSED,
     LLAMA3_8B,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, resolve_ns_config
 from .optimizer import ADAMW_DEFAULTS, Muon
 from .param_groups import split_params
-from .plan import Plan, build_plan
+from ._sharding.plan import Plan, build_plan
 
 __all__ = [
     "ADAMW_DEFAULTS",

@@ -14,12 +14,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from .comm import CommStats, sum_over_mesh
-from .muon_step import Domain, MuonHyper, build_domains, muon_step
+from ._sharding.comm import CommStats, sum_over_mesh
+from .functional import Domain, MuonHyper, build_domains, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, resolve_ns_config
-from .placement import ParamLayout, describe, local_grad, local_of
-from .plan import DEFAULT_ROUND_BYTES
-from .update import adamw_update
+from ._sharding.param_layout import ParamLayout, describe, local_grad, local_of
+from ._sharding.plan import DEFAULT_ROUND_BYTES
+from .elementwise import adamw_update
 from .validation import (
     PreflightItem,
     check_adamw_group,
@@ -28,7 +28,7 @@ from .validation import (
     check_param,
     preflight,
 )
-from .views import View, matrix_views
+from ._sharding.views import View, matrix_views
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 

@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .comm import sum_over_group, sum_over_mesh
-from .placement import same_layout
+from ._sharding.comm import sum_over_group, sum_over_mesh
+from ._sharding.param_layout import same_layout
 
 __all__ = ["PreflightItem", "check_adamw_group", "check_muon_group", "check_muon_param", "preflight"]
 

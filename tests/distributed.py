@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from muon_dtensor.launch import run_ranks
+from muon_dtensor.demo.launch import run_ranks
 
 __all__ = ["run_ranks"]

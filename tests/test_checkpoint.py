@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import muon_dtensor.checkpoint as ckpt
-from muon_dtensor.launch import RankError
+from muon_dtensor.demo.launch import RankError
 from tests.distributed import run_ranks
 from tests.workers_ckpt import (
     bytes_per_rank,

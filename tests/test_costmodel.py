@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from muon_dtensor.costmodel import (
+from muon_dtensor.planning.costmodel import (
     CURRENT,
     FUSED,
     LLAMA3_8B,

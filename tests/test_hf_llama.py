@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from muon_dtensor.safetensors_io import export_safetensors
+from muon_dtensor.checkpoint.safetensors import export_safetensors
 from tests.distributed import run_ranks
 from tests.workers_hf import config, from_safetensors, resume, save_part, uninterrupted
 

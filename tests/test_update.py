@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import muon_dtensor.muon_step as muon_step
-from muon_dtensor.update import apply_muon_update, muon_momentum, scale_updates
+import muon_dtensor.functional as muon_step
+from muon_dtensor.elementwise import apply_muon_update, muon_momentum, scale_updates
 
 SHAPES = [(37, 53), (64, 64), (3, 1), (0, 0), (1000, 17)]
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.safetensors_io import load_safetensors
+from muon_dtensor.checkpoint.safetensors import load_safetensors
 
 BATCH, SEQ = 8, 16
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from muon_dtensor.integrity import step_dir
-from muon_dtensor.launch import RankError, run_ranks
+from muon_dtensor.checkpoint.manifest import step_dir
+from muon_dtensor.demo.launch import RankError, run_ranks
 
 from . import report
 from .model import ModelConfig, TinyLM

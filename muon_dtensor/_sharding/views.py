@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import Block, Interval
+from .blocks import Block, Interval
 
 __all__ = ["LocalCut", "View", "matrix_views"]
 

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .integrity import CheckpointError
-from .placement import describe, local_of
+from .manifest import CheckpointError
+from .._sharding.param_layout import describe, local_of
 
 __all__ = ["export_safetensors", "load_safetensors"]
 

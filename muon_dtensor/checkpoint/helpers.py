@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .integrity import (
+from .manifest import (
     CheckpointError,
     check_compatible,
     complete_steps,

@@ -18,8 +18,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import Block, block_numel
-from .newton_schulz import ns_flops
+from .blocks import Block, block_numel
+from ..newton_schulz import ns_flops
 
 __all__ = ["DEFAULT_ROUND_BYTES", "EVERYONE", "MatrixEntry", "Plan", "Round", "build_plan"]
 

@@ -21,8 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
 __all__ = ["RankError", "run_ranks"]
 
 
@@ -35,14 +33,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     spec = f"{fn.__module__}:{fn.__qualname__}"
     with tempfile.TemporaryDirectory(prefix="muon_dtensor_") as tmp:
         Path(tmp, "args.pkl").write_bytes(pickle.dumps(args))
-        path = os.pathsep.join(filter(None, [str(ROOT), os.getcwd(), os.environ.get("PYTHONPATH")]))
+        roots = [_import_root(fn.__module__), _import_root(__name__), os.environ.get("PYTHONPATH")]
+        path = os.pathsep.join(filter(None, roots))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         if _gpus() < world_size:  # one GPU per rank or none: NCCL cannot share a device
             env["CUDA_VISIBLE_DEVICES"] = ""
         logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "muon_dtensor.launch", spec, str(rank), str(world_size), tmp],
+                [sys.executable, "-m", "muon_dtensor.demo.launch", spec, str(rank), str(world_size), tmp],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=logs[rank],
@@ -53,6 +52,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for log in logs:
             log.close()
         return _judge(Path(tmp), world_size, hung, timeout)
+
+
+def _import_root(module: str) -> str:
+    """The folder ``module`` was imported from, so the ranks import the same code."""
+    file = sys.modules[module].__file__
+    assert file is not None
+    depth = module.count(".") + (Path(file).name == "__init__.py")
+    return str(Path(file).resolve().parents[depth])
 
 
 def _gpus() -> int:

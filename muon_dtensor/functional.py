@@ -15,13 +15,13 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .comm import CommStats
-from .exchange import run_plan
+from ._sharding.comm import CommStats
+from ._sharding.exchange import run_plan
 from .newton_schulz import NSConfig, orthogonalize
-from .placement import ParamLayout
-from .plan import MatrixEntry, Plan, build_plan
-from .update import adjust_lr, apply_muon_update, muon_momentum, scale_updates
-from .views import LocalCut, View
+from ._sharding.param_layout import ParamLayout
+from ._sharding.plan import MatrixEntry, Plan, build_plan
+from .elementwise import adjust_lr, apply_muon_update, muon_momentum, scale_updates
+from ._sharding.views import LocalCut, View
 
 __all__ = ["Domain", "MuonHyper", "build_domains", "muon_step"]
 

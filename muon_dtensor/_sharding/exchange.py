@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import CommStats, start_all_to_all
-from .layout import Block, block_numel, block_shape
+from .blocks import Block, block_numel, block_shape
 from .plan import EVERYONE, Plan, Round
 
 __all__ = ["run_plan"]

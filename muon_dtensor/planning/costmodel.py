@@ -35,9 +35,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .hardware import Hardware, fit_latency_bandwidth
-from .layout import AxisShard, Block, block_numel, shard_blocks
-from .newton_schulz import ns_flops
-from .plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
+from .._sharding.blocks import AxisShard, Block, block_numel, shard_blocks
+from ..newton_schulz import ns_flops
+from .._sharding.plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
 
 __all__ = [
     "CURRENT",

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .comm import exchange_group
-from .layout import AxisShard, Block, block_shape, full_block, shard_blocks
+from .blocks import AxisShard, Block, block_shape, full_block, shard_blocks
 
 __all__ = ["ParamLayout", "describe", "local_grad", "local_of", "same_layout"]
 
