@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor._sharding.param_layout import describe
+from muon_dtensor._sharding.param_layout import layout_of as describe
 
 
 class MLP(nn.Module):

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .comm import exchange_group
 from .blocks import AxisShard, Block, block_shape, full_block, shard_blocks
 
-__all__ = ["ParamLayout", "describe", "local_grad", "local_of", "same_layout"]
+__all__ = ["ParamLayout", "describe", "layout_of", "local_grad", "local_of", "same_layout"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,8 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             )
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
+
+
+def layout_of(p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None) -> ParamLayout:
+    """The layout of ``p`` with its exchange group created if needed (collective on first use)."""
+    return describe(p, name, ddp_group)
