@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .manifest import CheckpointError
-from .._sharding.param_layout import describe, local_of
+from .._sharding.param_layout import layout_of, local_of
 
 __all__ = ["export_safetensors", "load_safetensors"]
 
@@ -123,7 +123,7 @@ def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: boo
                 raise CheckpointError(
                     f"{files[name]}: '{name}' has shape {shape}, the model {tuple(p.shape)}"
                 )
-            layout = describe(p, name)
+            layout = layout_of(p, name)
             local_of(p).copy_(_read_block(piece, layout.blocks[layout.rank], shape))
 
 
