@@ -1,4 +1,4 @@
-"""The update rules on local tensors: pure elementwise math, no communication.
+"""Muon's and AdamW's elementwise rules on local tensors, and the buckets they run over: pure math.
 
 Every operation here is a single IEEE-rounded op per element (a multiply, an add, a divide, a square
 root) between tensors of the same shape or a tensor and a scalar. Fused forms such as ``lerp`` or
@@ -10,32 +10,45 @@ That is why a shard updated here equals, bit for bit, the same rows of the full 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_update", "adjust_lr", "apply_muon_update", "muon_momentum", "scale_updates"]
+__all__ = [
+    "ADJUST_LR",
+    "adamw_update",
+    "adjust_lr",
+    "apply_muon_update",
+    "apply_results",
+    "apply_updates",
+    "buckets",
+    "muon_momentum",
+    "nesterov_inputs",
+    "scale_results",
+    "scale_updates",
+]
+
+# torch.optim.Muon's lr adjustments by name, each from the *global* matrix shape (rows, cols).
+ADJUST_LR: dict[str | None, Callable[[int, int], float]] = {
+    # Keller Jordan: sqrt(max(1, A / B)) keeps the update's RMS consistent across aspect ratios.
+    None: lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+    "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+    # Moonshot, "Muon is Scalable for LLM Training" (arXiv 2502.16982): 0.2 * sqrt(max(A, B)).
+    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+}
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """torch.optim.Muon's lr adjustment, from the *global* matrix shape (rows, cols)."""
-    rows, cols = int(shape[0]), int(shape[1])
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        # Keller Jordan: sqrt(max(1, A / B)) keeps the update's RMS consistent across aspect ratios.
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        # Moonshot, "Muon is Scalable for LLM Training" (arXiv 2502.16982): 0.2 * sqrt(max(A, B)).
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    """``lr`` times the named adjustment of a matrix of global ``shape`` (validation checks the name)."""
+    return lr * ADJUST_LR[adjust_lr_fn](int(shape[0]), int(shape[1]))
 
 
 def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
     """Multiply in place by Python scalars, as ``Tensor.mul_`` does (the scalar kept in fp32 math).
 
-    torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to a bf16/fp16 list's dtype first: bf16 params
-    would decay by bf16(0.998) = 0.996, twice the weight decay asked for (tests/test_update.py). So
-    only full-precision lists take the multi-tensor op.
+    torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to a bf16/fp16 list's dtype first (0.998
+    becomes 0.996: twice the weight decay; tests/test_update.py), so only fp32/fp64 lists take it.
     """
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         torch._foreach_mul_(tensors, scalars)
@@ -98,6 +111,89 @@ def apply_muon_update(
     if weight_decay != 0.0:
         _mul_(list(params), 1.0 - lr * weight_decay)
     torch._foreach_sub_(list(params), list(scaled_updates))
+
+
+# Elementwise work runs as multi-tensor ops over buckets of local elements: on CUDA big buckets (few
+# launches, temporaries bounded); on CPU cache-sized flat pieces, which stay in cache across an op's
+# passes (docs/benchmarks.md). Every op is exact per element, so the bucketing changes no bit.
+BUCKET_ELEMENTS = 1 << 26
+CPU_PIECE_ELEMENTS = 1 << 17
+
+
+def buckets(groups: Sequence[Sequence[Tensor]]) -> Iterator[tuple[list[int], list[list[Tensor]]]]:
+    """Aligned pieces of ``groups`` (``groups[k][i]`` alike in shape for every k), in buckets; yields
+    (index of each piece's tensor, pieces per group). On CPU, contiguous tensors are cut into flat
+    ranges of ``CPU_PIECE_ELEMENTS``, each its own bucket."""
+    if not groups or not groups[0]:
+        return
+    cpu = groups[0][0].device.type == "cpu"
+    limit = CPU_PIECE_ELEMENTS if cpu else BUCKET_ELEMENTS
+    index: list[int] = []
+    bucket: list[list[Tensor]] = [[] for _ in groups]
+    size = 0
+    for i in range(len(groups[0])):
+        whole = [g[i] for g in groups]
+        n = whole[0].numel()
+        parts = [whole]
+        if cpu and n > limit and all(t.is_contiguous() for t in whole):
+            parts = [[t.view(-1)[a : a + limit] for t in whole] for a in range(0, n, limit)]
+        for part in parts:
+            if size and size + part[0].numel() > limit:
+                yield index, bucket
+                index, bucket, size = [], [[] for _ in groups], 0
+            index.append(i)
+            for k, t in enumerate(part):
+                bucket[k].append(t)
+            size += part[0].numel()
+    if index:
+        yield index, bucket
+
+
+def nesterov_inputs(
+    bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float, nesterov: bool, dtype: torch.dtype
+) -> list[Tensor]:
+    """Update the momentum ``bufs`` in place; return the Newton-Schulz inputs, fresh and contiguous."""
+    ns_in = [torch.empty_like(b, dtype=dtype, memory_format=torch.contiguous_format) for b in bufs]
+    for _, (b, g, out) in buckets([bufs, grads, ns_in]):
+        muon_momentum(b, g, out, momentum, nesterov)
+    return ns_in
+
+
+def scale_results(
+    results: Sequence[Tensor], dtypes: Sequence[torch.dtype], lrs: Sequence[float]
+) -> list[Tensor]:
+    """Each result times its adjusted lr, in its parameter's dtype: fresh contiguous tensors."""
+    scaled = [torch.empty(o.shape, dtype=d, device=o.device) for o, d in zip(results, dtypes)]
+    for index, (src, dst) in buckets([results, scaled]):
+        scale_updates(src, dst, [lrs[i] for i in index])
+    return scaled
+
+
+def apply_results(
+    params: Sequence[Tensor],
+    results: Sequence[Tensor],
+    lrs: Sequence[float],
+    *,
+    lr: float,
+    weight_decay: float,
+) -> None:
+    """``param <- param (1 - lr wd) - adjusted_lr * result`` where a result is a parameter's whole update.
+
+    Scaled bucket by bucket, so no parameter-sized scaled tensor is allocated (fresh memory costs
+    page faults on CPU; docs/benchmarks.md)."""
+    results = [o.reshape(p.shape) for o, p in zip(results, params)]
+    for index, (p, o) in buckets([list(params), results]):
+        scaled = [torch.empty(t.shape, dtype=t_p.dtype, device=t.device) for t, t_p in zip(o, p)]
+        scale_updates(o, scaled, [lrs[i] for i in index])
+        apply_muon_update(p, scaled, lr=lr, weight_decay=weight_decay)
+
+
+def apply_updates(
+    params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float, weight_decay: float
+) -> None:
+    """``param <- param (1 - lr wd) - update`` for already scaled, assembled updates."""
+    for _, (p, u) in buckets([list(params), list(updates)]):
+        apply_muon_update(p, u, lr=lr, weight_decay=weight_decay)
 
 
 def adamw_update(

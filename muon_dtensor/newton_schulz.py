@@ -24,7 +24,6 @@ __all__ = [
     "ns_flops",
     "orthogonalize",
     "scalar_map",
-    "resolve_ns_config",
 ]
 
 Triple = tuple[float, float, float]
@@ -76,56 +75,13 @@ PRESETS: dict[str, tuple[tuple[Triple, ...], float]] = {
 
 # Where each preset's output singular values land, for inputs whose singular values are at least
 # BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not converged after 5 steps). Computed
-# in float64 by ``scalar_map`` over [0.01, 1]; they agree with the bands in shared/reference:
-# Keller [0.68, 1.13], You [0.98, 1.03]; Polar Express [0.859, 1.141].
+# in float64 by ``scalar_map`` over [0.01, 1] (tests/test_newton_schulz.py checks them by SVD).
 BAND_INPUT_FLOOR = 0.01
 PRESET_BANDS: dict[str, tuple[float, float]] = {
     "keller": (0.681, 1.135),
     "you": (0.977, 1.032),
     "polar_express": (0.858, 1.142),
 }
-
-
-def _as_triple(value: Sequence[float]) -> Triple:
-    if len(value) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    a, b, c = (float(v) for v in value)
-    return (a, b, c)
-
-
-def resolve_ns_config(
-    ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
-    ns_steps: int,
-    eps: float,
-    dtype: torch.dtype = torch.bfloat16,
-) -> NSConfig:
-    """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
-
-    A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
-    ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
-    """
-    if ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if ns_steps < 0:
-        raise ValueError(f"ns_steps should be >= 0 but is: {ns_steps}")
-    if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32 but is: {dtype}")
-    norm_scale = 1.0
-    if isinstance(ns_coefficients, str):
-        if ns_coefficients not in PRESETS:
-            raise ValueError(
-                f"Unknown ns_coefficients preset {ns_coefficients!r}; "
-                f"use one of {sorted(PRESETS)} or a tuple (a, b, c)"
-            )
-        steps, norm_scale = PRESETS[ns_coefficients]
-    elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
-        steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
-    else:
-        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[union-attr]
-        if not steps:
-            raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
-    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype)
 
 
 def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
@@ -137,10 +93,8 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     square matrix these are exactly its ``mm``/``addmm`` calls (bitwise equal; a batch runs their
     ``bmm``/``baddbmm`` twins). A tall matrix runs the same polynomial from the right,
     ``X <- a X + X (b A + c A A)`` with ``A = X^T X``, instead of transposing in and out: the same
-    math and flops, but the result comes out contiguous, so slicing it into blocks for the exchange
-    and scaling it are plain copies rather than transposing ones (measured ~30 ms per step on the
-    rank owning the tall MLP matrices of benchmarks/bench_step.py). Its bits may differ from torch's
-    within bf16 rounding.
+    math and flops, but a contiguous result, so slicing and scaling it are plain copies
+    (docs/benchmarks.md). Its bits may differ from torch's within bf16 rounding.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects [m, n] or [B, m, n] but got shape {tuple(x.shape)}")
@@ -166,9 +120,9 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
 def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
     """``newton_schulz`` of same-shape matrices, batched where batching pays.
 
-    On CUDA the matrices run as one batched product. On CPU, oneDNN's batched bfloat16 GEMM measured
-    about 10% slower than one 2-D GEMM per matrix (docs/benchmarks.md), so they run one at a time;
-    the result is the same bit for bit (tests/test_newton_schulz.py).
+    On CUDA the matrices run as one batched product. On CPU they run one at a time, which is faster
+    with oneDNN's bfloat16 GEMMs (docs/benchmarks.md); the bits are the same either way
+    (tests/test_newton_schulz.py).
     """
     if not matrices:
         return []
@@ -187,6 +141,7 @@ def scalar_map(singular_values: Tensor, config: NSConfig) -> Tensor:
 
 
 def ns_flops(shape: Sequence[int], steps: int = 1) -> int:
-    """Flops of ``steps`` iterations on one matrix: 4 m^2 n + 2 m^3 each, m <= n (shared/reference)."""
+    """Flops of ``steps`` iterations on one matrix: 4 m^2 n + 2 m^3 each, m <= n (A = X X^T costs
+    2 m^2 n, A A 2 m^3, the product with X 2 m^2 n)."""
     m, n = sorted((int(shape[0]), int(shape[1])))
     return steps * (4 * m * m * n + 2 * m * m * m)

@@ -1,7 +1,8 @@
-"""Input checks. Local checks depend only on metadata every rank shares (hyperparameters, global
-shapes, placements), so every rank raises the same error with no communication. Checks that depend
-on per-rank data (is there a gradient, is it sparse, is it laid out like its parameter) go through
-one small all-reduce, the preflight, before any other collective of a step; then every rank raises.
+"""Every input check, once. Local checks depend only on metadata every rank shares (hyperparameters,
+global shapes, placements), so every rank raises the same error with no communication. Checks that
+depend on per-rank data (is there a gradient, is it sparse, is it laid out like its parameter) go
+through one small all-reduce, the preflight, before any other collective of a step; then every rank
+raises. Messages are torch.optim's where torch has the same check.
 """
 
 from __future__ import annotations
@@ -12,15 +13,28 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._sharding.comm import sum_over_group, sum_over_mesh
+from ._sharding.comm import sum_over_scopes
 from ._sharding.param_layout import same_layout
+from .elementwise import ADJUST_LR
+from .newton_schulz import PRESETS, NSConfig, Triple
 
-__all__ = ["PreflightItem", "check_adamw_group", "check_muon_group", "check_muon_param", "preflight"]
+__all__ = [
+    "MODES",
+    "PreflightItem",
+    "check_adamw_group",
+    "check_algorithm",
+    "check_mode",
+    "check_muon_group",
+    "check_params",
+    "ns_dtype_name",
+    "preflight",
+    "resolve_ns_config",
+]
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+MODES = ("owner", "gather")
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _check_lr(lr: float | Tensor) -> None:
@@ -30,20 +44,42 @@ def _check_lr(lr: float | Tensor) -> None:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
 
 
-def check_muon_group(group: Mapping) -> None:
-    """torch.optim.Muon's argument checks, with its messages."""
+def check_algorithm(group: dict[str, Any]) -> str:
+    """A param group's algorithm, ``"muon"`` when unset."""
+    algorithm = group.setdefault("algorithm", "muon")
+    if algorithm not in ("muon", "adamw"):
+        raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
+    return algorithm
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
+
+
+def ns_dtype_name(dtype: torch.dtype | str) -> str:
+    """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in _NS_DTYPES:
+        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32 but is: {dtype}")
+    return name
+
+
+def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
+    """torch.optim.Muon's argument checks, with its messages, and ours; returns the NS config."""
     _check_lr(group["lr"])
     if not group["momentum"] >= 0.0:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
-    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+    if group["adjust_lr_fn"] not in ADJUST_LR:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
-    if group.get("mode", "owner") not in ("owner", "gather"):
-        raise ValueError(f"mode should be 'owner' or 'gather' but is: {group['mode']!r}")
+    check_mode(group.get("mode", "owner"))
+    dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
+    return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
 
-def check_adamw_group(group: Mapping) -> None:
+def check_adamw_group(group: Mapping[str, Any]) -> None:
     """torch.optim.AdamW's argument checks, with its messages."""
     _check_lr(group["lr"])
     if not group["eps"] >= 0.0:
@@ -57,17 +93,54 @@ def check_adamw_group(group: Mapping) -> None:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
 
 
-def check_param(p: Tensor, name: str) -> None:
+def _as_triple(value: Sequence[float]) -> Triple:
+    if len(value) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = (float(v) for v in value)
+    return (a, b, c)
+
+
+def resolve_ns_config(
+    ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> NSConfig:
+    """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
+
+    A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
+    ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps should be >= 0 but is: {ns_steps}")
+    ns_dtype_name(dtype)
+    norm_scale = 1.0
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients not in PRESETS:
+            raise ValueError(
+                f"Unknown ns_coefficients preset {ns_coefficients!r}; "
+                f"use one of {sorted(PRESETS)} or a tuple (a, b, c)"
+            )
+        steps, norm_scale = PRESETS[ns_coefficients]
+    elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
+        steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
+    else:
+        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[union-attr]
+        if not steps:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
+    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype)
+
+
+def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool) -> None:
     if torch.is_complex(p):
         raise RuntimeError(
             f"Muon does not support complex parameters: '{name}' is {p.dtype}; "
             "view it as real (torch.view_as_real) or keep it out of the optimizer"
         )
-
-
-def check_muon_param(p: Tensor, name: str, *, flatten: bool = False, experts: bool = False) -> None:
-    check_param(p, name)
-    if p.ndim == 2 or (flatten and p.ndim > 2) or (experts and p.ndim == 3):
+    if not muon or p.ndim == 2 or (flatten and p.ndim > 2) or (experts and p.ndim == 3):
         return
     raise ValueError(
         f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
@@ -75,6 +148,21 @@ def check_muon_param(p: Tensor, name: str, *, flatten: bool = False, experts: bo
         'expert weights [E, m, n] set "experts": True; otherwise put it in a group with '
         '"algorithm": "adamw" (muon_dtensor.split_params does this for a model)'
     )
+
+
+def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Each parameter fits its group's algorithm, and a Muon group lives on one mesh."""
+    meshes: dict[Any, str] = {}
+    muon = group["algorithm"] == "muon"
+    for p, name in zip(group["params"], names):
+        meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
+        _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
+    if len(meshes) > 1:
+        found = ", ".join(f"'{n}' on {m or 'no mesh (a plain tensor)'}" for m, n in meshes.items())
+        raise ValueError(
+            f"one param group holds parameters on different meshes ({found}); "
+            "put the parameters of each mesh in a param group of their own"
+        )
 
 
 @dataclass(frozen=True)
@@ -132,26 +220,13 @@ def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
         )
 
 
-def _sum(flags: Tensor, scope: Any) -> tuple[Tensor, int]:
-    if isinstance(scope, DeviceMesh):
-        return sum_over_mesh(flags, scope), scope.size()
-    import torch.distributed as dist
-
-    return sum_over_group(flags, scope), dist.get_world_size(scope)
-
-
-def preflight(items: Sequence[PreflightItem]) -> list[bool]:
-    """Check every parameter on every rank; return which ones have a gradient to apply.
-
-    One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank facts;
-    then all ranks decide the same way. Raises on every rank if any rank's input is bad.
-    """
+def _present(items: Sequence[PreflightItem]) -> list[bool]:
     flags = _local_flags(items)
     scopes: list[Any] = []
     for item in items:
         if item.scope is not None and item.scope not in scopes:
             scopes.append(item.scope)
-    totals = [_sum(flags, scope) for scope in scopes]
+    totals = sum_over_scopes(flags, scopes)
     # A parameter that no collective involves still must not fail on one rank alone.
     any_bad = flags[:, 1:].clone()
     for summed, _ in totals:
@@ -167,3 +242,12 @@ def preflight(items: Sequence[PreflightItem]) -> list[bool]:
         _raise_for(item, row, ranks)
         present.append(bool(row[_PRESENT] > 0))
     return present
+
+
+def preflight(groups: Sequence[Sequence[PreflightItem]]) -> list[list[int]]:
+    """Check every parameter on every rank; return, per group, the indices of the parameters with a
+    gradient to apply. One all-reduce per axis of every mesh (and per DDP group) in use shares the
+    per-rank facts; then all ranks decide the same way, and raise on every rank if any rank's
+    input is bad."""
+    present = iter(_present([item for items in groups for item in items]))
+    return [[i for i in range(len(items)) if next(present)] for items in groups]

@@ -10,9 +10,9 @@ from muon_dtensor.newton_schulz import (
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
     newton_schulz,
-    resolve_ns_config,
     scalar_map,
 )
+from muon_dtensor.validation import resolve_ns_config
 
 
 def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:

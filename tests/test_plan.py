@@ -92,7 +92,7 @@ def test_rounds_respect_the_byte_cap_and_mix_owners() -> None:
 
 
 def test_bad_plan_arguments_are_rejected() -> None:
-    with pytest.raises(ValueError, match="mode must be 'owner' or 'gather'"):
+    with pytest.raises(ValueError, match="mode should be 'owner' or 'gather'"):
         build_plan([], 2, mode="bogus")
     with pytest.raises(ValueError, match="blocks for a group of 4"):
         build_plan(_entries([(8, 8)], 2), 4)

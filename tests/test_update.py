@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import muon_dtensor.functional as muon_step
-from muon_dtensor.elementwise import apply_muon_update, muon_momentum, scale_updates
+import muon_dtensor.elementwise as elementwise
+from muon_dtensor.elementwise import apply_muon_update, buckets, muon_momentum, scale_updates
 
 SHAPES = [(37, 53), (64, 64), (3, 1), (0, 0), (1000, 17)]
 
@@ -74,10 +74,10 @@ def test_rows_of_a_shard_equal_rows_of_the_full_result(dtype: torch.dtype) -> No
 
 def test_cpu_pieces_cover_every_element_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cache-sized pieces: every element of every tensor in exactly one piece, aligned across groups."""
-    monkeypatch.setattr(muon_step, "CPU_PIECE_ELEMENTS", 100)
+    monkeypatch.setattr(elementwise, "CPU_PIECE_ELEMENTS", 100)
     a = [torch.zeros(s) for s in [(30, 7), (5, 5), (0, 0), (401,)]] + [torch.zeros(8, 40).mT]
     b = [torch.zeros_like(t) for t in a]
-    for index, (pa, pb) in muon_step.elementwise_buckets([a, b]):
+    for index, (pa, pb) in buckets([a, b]):
         assert sum(t.numel() for t in pa) <= 100 or len(pa) == 1
         for i, x, y in zip(index, pa, pb):
             assert x.shape == y.shape and x.numel() <= max(

@@ -1,14 +1,19 @@
-"""Every collective muon_dtensor issues lives here.
+"""Every collective muon_dtensor issues, and every process group it creates, lives here.
 
-Two kinds: a small integer all-reduce for the preflight (so every rank sees every rank's input
-problems before any data moves), and the all-to-all that carries matrix blocks to their owners and
-back. Blocks travel in the Newton-Schulz dtype (bfloat16 by default): the owner casts to it anyway,
-so sending it halves the bytes and changes no bit of the result.
+Three kinds: a small integer all-reduce for the preflight (so every rank sees every rank's input
+problems before any data moves), the all-to-all that carries matrix blocks to their owners and back,
+and the checkpoint helpers' object broadcasts, gathers and barriers. Blocks travel in the
+Newton-Schulz dtype (bfloat16 by default): the owner casts to it anyway, so sending it halves the
+bytes and changes no bit of the result. Groups are cached per default process group, so they are
+dropped with it (``destroy_process_group``) and a new one starts afresh.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,14 +22,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "CommStats",
+    "barrier",
+    "broadcast_object",
     "exchange_group",
+    "gather_objects",
+    "save_group",
     "start_all_to_all",
     "sum_over_group",
     "sum_over_mesh",
+    "sum_over_scopes",
 ]
 
-# (mesh ranks, mesh shape, axes) -> this rank's group over those axes
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+# default process group -> {key: a group this rank created}; entries go when the default group does
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cached(key: tuple, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    groups = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in groups:
+        groups[key] = create()
+    return groups[key]
 
 
 class CommStats:
@@ -76,22 +95,67 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
     """
     if len(axes) == 1:
         return mesh.get_group(axes[0])
-    key = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), axes)
-    if key not in _GROUPS:
+
+    def create() -> dist.ProcessGroup:
         others = [a for a in range(mesh.ndim) if a not in axes]
-        moved = mesh.mesh.permute(*others, *axes).reshape(-1, _prod(mesh.size(a) for a in axes))
-        me = dist.get_rank()
+        moved = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes))
+        mine = None
         for ranks in moved.tolist():
             group = dist.new_group(sorted(ranks))
-            if me in ranks:
-                _GROUPS[key] = group
-    return _GROUPS[key]
+            mine = group if dist.get_rank() in ranks else mine
+        assert mine is not None, "this rank is in its own mesh"
+        return mine
+
+    return _cached(("exchange", tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), axes), create)
 
 
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
+def sum_over_scopes(
+    counts: Tensor, scopes: Sequence[DeviceMesh | dist.ProcessGroup]
+) -> list[tuple[Tensor, int]]:
+    """``counts`` summed over each scope (a mesh or a process group), with the scope's rank count."""
+    out = []
+    for scope in scopes:
+        if isinstance(scope, DeviceMesh):
+            out.append((sum_over_mesh(counts, scope), scope.size()))
+        else:
+            out.append((sum_over_group(counts, scope), dist.get_world_size(scope)))
+    return out
+
+
+# ------------------------------------------------------------------ checkpoint helpers' collectives
+def _solo(group: dist.ProcessGroup | None) -> bool:
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group used only by saves: an async save that shares the training group can interleave
+    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
+    if not dist.is_initialized():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return _cached(("save", ranks), lambda: dist.new_group(list(ranks), backend="gloo"))
+
+
+def barrier(group: dist.ProcessGroup | None) -> None:
+    if not _solo(group):
+        dist.barrier(group=group)
+
+
+def broadcast_object(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """Group rank 0's ``value`` on every rank (so all ranks take the same decision)."""
+    if _solo(group):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value``, in group rank order, on every rank."""
+    if _solo(group):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

@@ -1,228 +1,175 @@
-"""Run a plan: blocks to their owners, Newton-Schulz once per matrix, results back to every block.
+"""Run a plan along this rank's routes: blocks to their owners, Newton-Schulz once per matrix, results
+back to every block.
 
-For one round of the plan, on group rank ``me``:
-  1. send my block of every matrix to its owner (gather mode: to every rank): one all-to-all;
-  2. assemble each matrix I own from the blocks, in global index order, stacked by shape;
-  3. orthogonalize my same-shape matrices together;
-  4. send every rank its block of each result (gather mode: slice locally): one all-to-all.
-Assembly and slicing follow the plan's blocks, so any layout that the layout module can describe is
-exchanged the same way. A rank's blocks of the matrices it owns never enter a collective: they are
-read from (and results sliced into) local tensors, which saves one copy each way.
+For each round, on group rank ``me`` (the routes say what goes where, plan.build_routes):
+  1. ``prepare`` my block of every matrix; send each to its owner (gather mode: to every rank): one
+     all-to-all;
+  2. assemble each matrix I own from the blocks, stacked by shape;
+  3. ``compute`` (orthogonalize) my same-shape matrices together;
+  4. send every rank its block of each result: one all-to-all; ``finalize`` my blocks.
+This is the prepare / compute / finalize shape of torchtitan's ``runtime.run``. A rank's own blocks of
+the matrices it owns never enter a collective: they are read from (and sliced into) local tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CommStats, start_all_to_all
 from .blocks import Block, block_numel, block_shape
-from .plan import EVERYONE, Plan, Round
+from .comm import CommStats, start_all_to_all
+from .plan import Inbound, Outbound, RoundRoute
 
-__all__ = ["run_plan"]
+__all__ = ["Compute", "Finalize", "Prepare", "run_plan"]
 
-Orthogonalize = Callable[[Sequence[Tensor]], Sequence[Tensor]]
-# shape -> (members, their full matrices) on the rank that computes them
-Stacks = dict[tuple[int, int], tuple[list[int], Sequence[Tensor]]]
+Prepare = Callable[[int], Tensor]  # member -> my block of it, in the Newton-Schulz dtype
+Compute = Callable[[Sequence[Tensor]], Sequence[Tensor]]  # same-shape full matrices -> results
+Finalize = Callable[[Sequence[int], Sequence[Tensor]], None]  # members, my block of each result
+Stacks = list[tuple[tuple[int, ...], list[Tensor]]]  # (members, their full matrices) by shape
 
 
-def _pieces(block: Block) -> list[tuple[slice, slice, slice, slice]]:
+def _rects(block: Block) -> Iterator[tuple[slice, slice, slice, slice]]:
     """(global rows, global cols, local rows, local cols) of each rectangle of a 2-D block."""
-    out = []
     local_r = 0
     for r0, r1 in block[0]:
         local_c = 0
         for c0, c1 in block[1]:
-            out.append(
-                (
-                    slice(r0, r1),
-                    slice(c0, c1),
-                    slice(local_r, local_r + r1 - r0),
-                    slice(local_c, local_c + c1 - c0),
-                )
+            yield (
+                slice(r0, r1),
+                slice(c0, c1),
+                slice(local_r, local_r + r1 - r0),
+                slice(local_c, local_c + c1 - c0),
             )
             local_c += c1 - c0
         local_r += r1 - r0
-    return out
 
 
-def _assemble(full: Tensor, block: Block, flat: Tensor) -> None:
-    local = flat.view(block_shape(block))
-    for gr, gc, lr, lc in _pieces(block):
+def _assemble(full: Tensor, block: Block, piece: Tensor) -> None:
+    """Write a block (any shape holding its elements in block order) into the full matrix."""
+    local = piece.reshape(block_shape(block))
+    for gr, gc, lr, lc in _rects(block):
         full[gr, gc] = local[lr, lc]
 
 
 def _cut(full: Tensor, block: Block) -> Tensor:
-    pieces = _pieces(block)
-    if len(pieces) == 1:
-        gr, gc, _, _ = pieces[0]
-        return full[gr, gc]
+    """A block of a full matrix: a view when it is one rectangle, else a copy in block order."""
+    rects = list(_rects(block))
+    if len(rects) == 1:
+        return full[rects[0][0], rects[0][1]]
     local = full.new_empty(block_shape(block))
-    for gr, gc, lr, lc in pieces:
+    for gr, gc, lr, lc in rects:
         local[lr, lc] = full[gr, gc]
     return local
 
 
-def _by_shape(plan: Plan, members: Sequence[int]) -> dict[tuple[int, int], list[int]]:
-    groups: dict[tuple[int, int], list[int]] = {}
-    for m in members:
-        groups.setdefault(plan.entries[m].shape, []).append(m)
-    return groups
-
-
-def _all_local(plan: Plan, rnd: Round) -> bool:
-    """Every matrix of the round sits whole on its owner (expert parallel): no collective at all.
-    Every rank reads this from the plan, so all skip together."""
-    return plan.mode == "owner" and all(plan.entries[m].holder == o for m, o in zip(rnd.members, rnd.owners))
-
-
-def _start_to_owners(
-    plan: Plan,
-    rnd: Round,
-    me: int,
-    local: dict[int, Tensor],
-    group: dist.ProcessGroup | None,
-    stats: CommStats | None,
+def _to_owners(
+    route: Inbound, local: dict[int, Tensor], group: dist.ProcessGroup | None, stats: CommStats | None
 ) -> Callable[[], Stacks]:
-    """Steps 1-2: start moving blocks to owners; the returned function waits and assembles the
-    full matrices this rank computes in ``rnd``, grouped by shape."""
-    mine = rnd.owned_by(me)
-    if group is None or _all_local(plan, rnd):
-        return lambda: {s: (ms, [local[m] for m in ms]) for s, ms in _by_shape(plan, mine).items()}
-    size = plan.group_size
-    # Replicated matrices are already whole on their owner: nothing to send for them.
-    replicated = {m for m in rnd.members if plan.entries[m].replicated}
-    sends: list[list[Tensor]] = [[] for _ in range(size)]
-    for member, owner in zip(rnd.members, rnd.owners):
-        if member in replicated:
-            continue
-        for dest in range(size) if owner == EVERYONE else (owner,):
-            if dest != me:  # my own blocks never enter the collective: one copy less each way
-                sends[dest].append(local[member])
-    incoming = [m for m in mine if m not in replicated]
-    recv_numels = [
-        0 if src == me else sum(block_numel(plan.entries[m].blocks[src]) for m in incoming)
-        for src in range(size)
-    ]
-    sample = local[rnd.members[0]]
-    if len(replicated) == len(rnd.members):  # every rank knows this from the plan: skip together
-        receive = lambda: [sample.new_empty(0)] * size  # noqa: E731
-    else:
+    """Steps 1-2: start moving blocks to owners; the returned function waits and assembles."""
+    if route.direct:
+        return lambda: [(ms, [local[m] for m in ms]) for _, ms in route.stacks]
+    sample = next(iter(local.values()))
+    receive: Callable[[], list[Tensor]] = lambda: []  # noqa: E731
+    if route.collective:
+        assert group is not None
+        sends = [[local[m] for m in members] for members in route.sends]
         receive = start_all_to_all(
-            sends, recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
+            sends, route.recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
         )
 
     def finish() -> Stacks:
         received = receive()
-        stacks: Stacks = {
-            s: (ms, sample.new_empty((len(ms), *s)).unbind(0)) for s, ms in _by_shape(plan, mine).items()
-        }
-        where = {m: full for ms, fulls in stacks.values() for m, full in zip(ms, fulls)}
-        for member in replicated.intersection(mine):
-            where[member].copy_(local[member])
-        for member in incoming:
-            _assemble(where[member], plan.entries[member].blocks[me], local[member].reshape(-1))
-        for src in range(size):
-            offset = 0
-            for member in incoming if src != me else ():
-                block = plan.entries[member].blocks[src]
-                _assemble(where[member], block, received[src][offset : offset + block_numel(block)])
-                offset += block_numel(block)
+        stacks = [(ms, list(sample.new_empty((len(ms), *shape)).unbind(0))) for shape, ms in route.stacks]
+        where = {m: full for ms, fulls in stacks for m, full in zip(ms, fulls)}
+        for m in route.copies:
+            where[m].copy_(local[m])
+        for m, block in route.own:
+            _assemble(where[m], block, local[m])
+        for m, src, offset, block in route.received:
+            _assemble(where[m], block, received[src][offset : offset + block_numel(block)])
         if stats is not None:
-            stats.release(sum(recv_numels) * sample.element_size())
+            stats.release(sum(route.recv_numels) * sample.element_size())
         return stacks
 
     return finish
 
 
-def _start_to_blocks(
-    plan: Plan,
-    rnd: Round,
-    me: int,
+def _to_blocks(
+    route: Outbound,
     results: dict[int, Tensor],
+    ref: Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None,
-    ref: Tensor,
 ) -> Callable[[], dict[int, Tensor]]:
-    """Step 4: start sending results back; the returned function waits and returns my block of
-    every matrix of ``rnd``."""
-    mine = rnd.owned_by(me)
-    if plan.mode == "gather" or group is None or _all_local(plan, rnd):
-        # All-local rounds: what others own, I hold none of.
-        out = {m: ref.new_empty(block_shape(plan.entries[m].blocks[me])) for m in rnd.members}
-        out.update({m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine})
+    """Step 4: start sending results back; the returned function waits and returns my blocks."""
+    if not route.collective:
+        out = {m: ref.new_empty(shape) for m, shape in route.empty}
+        out.update({m: _cut(results[m], block) for m, block in route.own})
         return lambda: out
-    size = plan.group_size
-    back = [
-        [] if d == me else [_cut(results[m], plan.entries[m].blocks[d]) for m in mine] for d in range(size)
-    ]
-    from_owner = [
-        0 if src == me else sum(block_numel(plan.entries[m].blocks[me]) for m in rnd.owned_by(src))
-        for src in range(size)
-    ]
-    receive = start_all_to_all(back, from_owner, group=group, dtype=ref.dtype, device=ref.device, stats=stats)
+    assert group is not None
+    sends = [[_cut(results[m], block) for m, block in per_dest] for per_dest in route.sends]
+    receive = start_all_to_all(
+        sends, route.recv_numels, group=group, dtype=ref.dtype, device=ref.device, stats=stats
+    )
 
     def finish() -> dict[int, Tensor]:
         returned = receive()
-        out = {m: _cut(results[m], plan.entries[m].blocks[me]) for m in mine}
-        for src in range(size):
-            if src == me:
-                continue
-            offset = 0
-            for member in rnd.owned_by(src):
-                block = plan.entries[member].blocks[me]
-                out[member] = returned[src][offset : offset + block_numel(block)].view(block_shape(block))
-                offset += block_numel(block)
+        out = {m: _cut(results[m], block) for m, block in route.own}
+        for m, src, offset, shape in route.received:
+            out[m] = returned[src][offset : offset + math.prod(shape)].view(shape)
         if stats is not None:
-            stats.release(sum(from_owner) * ref.element_size())
+            stats.release(sum(route.recv_numels) * ref.element_size())
         return out
 
     return finish
 
 
-def _compute(stacks: Stacks, orthogonalize: Orthogonalize, stats: CommStats | None) -> dict[int, Tensor]:
+def run_plan(
+    routes: Sequence[RoundRoute],
+    *,
+    prepare: Prepare,
+    compute: Compute,
+    finalize: Finalize,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+) -> None:
+    """Orthogonalize every matrix of a plan along this rank's ``routes``.
+
+    Rounds are pipelined: round k+1's blocks travel while round k is orthogonalized, and round k's
+    results travel back while round k+1 is; so at most two rounds' buffers are alive at once. Every
+    rank issues the collectives in the same order (in 0, in 1, out 0, in 2, out 1, ...).
+    """
+    if not routes:
+        return
+    blocks = [{m: prepare(m) for m in routes[0].members}]
+    inbound = _to_owners(routes[0].inbound, blocks[0], group, stats)
+    outbound: list[tuple[RoundRoute, Callable[[], dict[int, Tensor]]]] = []
+    for k, route in enumerate(routes):
+        stacks = inbound()
+        if k + 1 < len(routes):
+            blocks.append({m: prepare(m) for m in routes[k + 1].members})
+            inbound = _to_owners(routes[k + 1].inbound, blocks[k + 1], group, stats)
+        results = _compute(stacks, compute, stats)
+        ref = blocks[k][route.members[0]]
+        outbound.append((route, _to_blocks(route.outbound, results, ref, group, stats)))
+        if len(outbound) > 1:
+            _finish(*outbound.pop(0), finalize)
+    for done, finish in outbound:
+        _finish(done, finish, finalize)
+
+
+def _compute(stacks: Stacks, compute: Compute, stats: CommStats | None) -> dict[int, Tensor]:
     results: dict[int, Tensor] = {}
-    for members, fulls in stacks.values():
-        results.update(zip(members, orthogonalize(fulls)))
+    for members, fulls in stacks:
+        results.update(zip(members, compute(fulls)))
         if stats is not None:
             stats.orthogonalized += len(members)
     return results
 
 
-def run_plan(
-    plan: Plan,
-    me: int,
-    local: Sequence[Tensor],
-    orthogonalize: Orthogonalize,
-    *,
-    group: dist.ProcessGroup | None,
-    stats: CommStats | None = None,
-) -> list[Tensor]:
-    """Orthogonalize every matrix of ``plan``; ``local[i]`` is my block of entry ``i`` (NS dtype).
-
-    ``group`` is the exchange process group, or None when the group is this rank alone. Rounds are
-    pipelined: round k+1's blocks travel while round k is orthogonalized, and round k's results
-    travel back while round k+1 is; so at most two rounds' buffers are alive at once. Every rank
-    issues the collectives in the same order (in 0, in 1, out 0, in 2, out 1, ...).
-    Returns my block of every orthogonalized matrix, in entry order.
-    """
-    by_index = dict(enumerate(local))
-    out: dict[int, Tensor] = {}
-    rounds = plan.rounds
-    if not rounds:
-        return []
-    inbound = _start_to_owners(plan, rounds[0], me, by_index, group, stats)
-    outbound: list[Callable[[], dict[int, Tensor]]] = []
-    for k, rnd in enumerate(rounds):
-        stacks = inbound()
-        if k + 1 < len(rounds):
-            inbound = _start_to_owners(plan, rounds[k + 1], me, by_index, group, stats)
-        results = _compute(stacks, orthogonalize, stats)
-        outbound.append(_start_to_blocks(plan, rnd, me, results, group, stats, ref=by_index[rnd.members[0]]))
-        if len(outbound) > 1:
-            out.update(outbound.pop(0)())
-    for finish in outbound:
-        out.update(finish())
-    return [out[i] for i in range(len(local))]
+def _finish(route: RoundRoute, finish: Callable[[], dict[int, Tensor]], finalize: Finalize) -> None:
+    mine = finish()
+    finalize(route.members, [mine[m] for m in route.members])

@@ -12,10 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .comm import exchange_group
 from .blocks import AxisShard, Block, block_shape, full_block, shard_blocks
+from .comm import exchange_group
 
-__all__ = ["ParamLayout", "describe", "layout_of", "local_grad", "local_of", "same_layout"]
+__all__ = ["ParamLayout", "describe", "exchange_axes", "layout_of", "local_grad", "local_of", "same_layout"]
 
 
 @dataclass(frozen=True)
@@ -84,35 +84,49 @@ def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGro
     return [flat_ranks.index(r) for r in dist.get_process_group_ranks(group)]
 
 
-def describe(p: Tensor, name: str, group: dist.ProcessGroup | None = None) -> ParamLayout:
-    """The layout of parameter ``p``; raises ValueError naming ``name`` for layouts not handled.
+def exchange_axes(p: DTensor, name: str) -> tuple[int, ...]:
+    """The mesh axes whose ranks exchange ``p``'s blocks: the sharded ones, or every axis when ``p`` is
+    replicated everywhere (then the whole mesh shares its work)."""
+    return tuple(s.axis for s in _shards(p, name)) or tuple(range(p.device_mesh.ndim))
 
-    A plain tensor with ``group`` is replicated over that group (DDP); without, it is local.
-    """
+
+def describe(p: Tensor, name: str, group: dist.ProcessGroup | None) -> ParamLayout:
+    """The layout of ``p`` given its exchange ``group`` (None: this rank alone); raises ValueError
+    naming ``name`` for layouts not handled. A plain tensor with a group is replicated over it (DDP).
+    Reads only: the group is created by the caller (``layout_of``)."""
     if not isinstance(p, DTensor):
         if group is None or dist.get_world_size(group) == 1:
             return ParamLayout(None, (), (full_block(p.shape),), 0, None)
         size = dist.get_world_size(group)
         return ParamLayout(None, (), (full_block(p.shape),) * size, dist.get_rank(group), group)
     mesh = p.device_mesh
-    if mesh.get_coordinate() is None:
-        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
     shards = _shards(p, name)
-    # Fully replicated: the whole mesh shares the work (each rank holds every matrix whole).
-    axes = tuple(s.axis for s in shards) or tuple(range(mesh.ndim))
+    axes = exchange_axes(p, name)
     flat = shard_blocks(p.shape, shards) if shards else (full_block(p.shape),) * mesh.size()
-    if len(flat) == 1:
+    if group is None:
         return ParamLayout(mesh, axes, flat, 0, None)
-    pg = exchange_group(mesh, axes)
-    blocks = tuple(flat[i] for i in _group_order(mesh, axes, pg))
-    rank = dist.get_rank(pg)
+    blocks = tuple(flat[i] for i in _group_order(mesh, axes, group))
+    rank = dist.get_rank(group)
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
     if local_shape != expected and (math.prod(local_shape) or math.prod(expected)):
         raise _unsupported(
             name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
         )
-    return ParamLayout(mesh, axes, blocks, rank, pg)
+    return ParamLayout(mesh, axes, blocks, rank, group)
+
+
+def layout_of(p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None) -> ParamLayout:
+    """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
+    this for the same parameters in the same order). ``ddp_group`` serves plain tensors."""
+    if not isinstance(p, DTensor):
+        return describe(p, name, ddp_group)
+    mesh = p.device_mesh
+    if mesh.get_coordinate() is None:
+        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
+    axes = exchange_axes(p, name)
+    group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
+    return describe(p, name, group)
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
@@ -130,8 +144,3 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             )
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
-
-
-def layout_of(p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None) -> ParamLayout:
-    """The layout of ``p`` with its exchange group created if needed (collective on first use)."""
-    return describe(p, name, ddp_group)

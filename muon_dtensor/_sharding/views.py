@@ -13,9 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from .blocks import Block, Interval
 
-__all__ = ["LocalCut", "View", "matrix_views"]
+__all__ = ["LocalCut", "View", "matrix_views", "whole_matrix"]
 
 _EMPTY: tuple[Interval, ...] = ((0, 0),)
 
@@ -33,7 +36,39 @@ class LocalCut:
 class View:
     shape: tuple[int, int]
     blocks: tuple[Block, ...]  # per group rank, in the view's own coordinates
-    cut: LocalCut
+    local: LocalCut
+
+    def cut(self, local: Tensor) -> Tensor:
+        """This rank's piece of the matrix from its local tensor, 2-D (a view when contiguous)."""
+        c = self.local
+        t = local[c.expert] if c.expert is not None else local
+        if t.ndim == 0 or t.numel() == 0 or c.rows == _EMPTY:
+            return local.new_empty((0, 0))
+        t = t.reshape(t.shape[0], -1)
+        if len(c.rows) == 1:
+            return t[c.rows[0][0] : c.rows[0][1]]
+        return torch.cat([t[a:b] for a, b in c.rows])
+
+    def place(self, dest: Tensor, value: Tensor) -> None:
+        """Write ``value`` (this rank's piece) where ``cut`` took it from; ``dest`` is contiguous."""
+        if value.numel() == 0:
+            return
+        c = self.local
+        t = dest[c.expert] if c.expert is not None else dest
+        t = t.view(t.shape[0], -1)
+        offset = 0
+        for a, b in c.rows:
+            t[a:b] = value[offset : offset + b - a]
+            offset += b - a
+
+
+def whole_matrix(views: Sequence[View], local_shape: Sequence[int]) -> bool:
+    """A 2-D parameter that is one matrix: its piece of the result is its update, with no assembly."""
+    return (
+        len(local_shape) == 2
+        and len(views) == 1
+        and views[0].local == LocalCut(None, ((0, int(local_shape[0])),))
+    )
 
 
 def _intersect(
@@ -98,8 +133,18 @@ def matrix_views(
     return views
 
 
-def _view(shape, blocks, rank, expert, lo, hi, cols, rows_dim, name) -> View:
-    view_blocks = []
+def _view(
+    shape: Sequence[int],
+    blocks: Sequence[Block],
+    rank: int,
+    expert: int | None,
+    lo: int,
+    hi: int,
+    cols: int,
+    rows_dim: int,
+    name: str,
+) -> View:
+    view_blocks: list[Block] = []
     for block in blocks:
         if expert is not None and _has(block[0], expert) is None:
             view_blocks.append((_EMPTY, _EMPTY))

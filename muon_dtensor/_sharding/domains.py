@@ -1,0 +1,109 @@
+"""A Muon param group's sharding, derived once: each parameter's layout and matrix views, and per
+exchange group (domain) the plan and this rank's routes through it. The step only reads these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from .comm import sum_over_mesh
+from .param_layout import ParamLayout, layout_of
+from .plan import MatrixEntry, Plan, RoundRoute, build_plan, build_routes
+from .views import View, matrix_views
+
+__all__ = ["Domain", "GroupSharding", "ViewOptions", "build_domains"]
+
+
+@dataclass(frozen=True)
+class ViewOptions:
+    """How a group's parameters split into matrices (see ``views.matrix_views``)."""
+
+    flatten: bool = False
+    experts: bool = False
+    split_sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The matrices of one exchange group: (param position, view index) per plan entry, the plan,
+    and this rank's route through each of its rounds."""
+
+    group: dist.ProcessGroup | None
+    plan: Plan
+    routes: tuple[RoundRoute, ...]
+    members: tuple[tuple[int, int], ...]
+
+
+def _entry(view: View, group_size: int) -> MatrixEntry:
+    whole = ((0, view.shape[0]),), ((0, view.shape[1]),)
+    replicated = group_size > 1 and all(b == whole for b in view.blocks)
+    return MatrixEntry(view.shape, view.blocks, replicated=replicated)
+
+
+def build_domains(
+    layouts: Sequence[ParamLayout], views: Sequence[Sequence[View]], mode: str, max_round_bytes: int | None
+) -> list[Domain]:
+    """Group the views of the given parameters by exchange group; plan and route each group."""
+    grouped: dict[tuple, list[tuple[int, int]]] = {}
+    for pos, layout in enumerate(layouts):
+        for vi in range(len(views[pos])):
+            grouped.setdefault(layout.key, []).append((pos, vi))
+    domains = []
+    for members in grouped.values():
+        layout = layouts[members[0][0]]
+        entries = [_entry(views[pos][vi], layout.group_size) for pos, vi in members]
+        plan = build_plan(entries, layout.group_size, mode, max_round_bytes=max_round_bytes)
+        domains.append(Domain(layout.group, plan, build_routes(plan, layout.rank), tuple(members)))
+    return domains
+
+
+class GroupSharding:
+    """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
+    that has gradients (cached: the routing depends only on the plan and the rank)."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        options: ViewOptions,
+        ddp_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.layouts: list[ParamLayout] = []
+        self.views: list[list[View]] = []
+        error: ValueError | None = None
+        for p, name in zip(params, names):
+            try:
+                layout = layout_of(p, name, ddp_group)
+                views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
+                self.layouts.append(layout)
+                self.views.append(views)
+            except ValueError as e:
+                error = error or e
+        _agree_on_error(error, params)
+        self._domains: dict[tuple, list[Domain]] = {}
+
+    def domains(self, todo: Sequence[int], mode: str, max_round_bytes: int | None) -> list[Domain]:
+        key = (tuple(todo), mode, max_round_bytes)
+        if key not in self._domains:
+            layouts = [self.layouts[i] for i in todo]
+            self._domains[key] = build_domains(layouts, [self.views[i] for i in todo], mode, max_round_bytes)
+        return self._domains[key]
+
+
+def _agree_on_error(error: ValueError | None, params: Sequence[Tensor]) -> None:
+    """The one layout check that can differ between ranks (a local shape) is summed over each mesh,
+    so every rank raises together."""
+    meshes = {p.device_mesh: None for p in params if isinstance(p, DTensor)}
+    failed = sum(int(sum_over_mesh(torch.tensor([int(error is not None)]), m)) for m in meshes)
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"building the optimizer failed on {failed} other rank(s) for a parameter of this "
+            "group; their error names it (a local shard that does not match its placements)"
+        )
