@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, resolve_ns_config
+from ._sharding.plan import MatrixEntry, Plan, build_plan
+from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz
 from .optimizer import ADAMW_DEFAULTS, Muon
 from .param_groups import split_params
-from ._sharding.plan import Plan, build_plan
+from .validation import resolve_ns_config
 
 __all__ = [
     "ADAMW_DEFAULTS",
     "DEFAULT_COEFFICIENTS",
+    "PRESETS",
+    "MatrixEntry",
     "Muon",
     "NSConfig",
-    "PRESETS",
     "Plan",
     "build_plan",
     "newton_schulz",
@@ -20,4 +22,5 @@ __all__ = [
     "split_params",
 ]
 
+# The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).
 __version__ = "0.1.0"
