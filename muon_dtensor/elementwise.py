@@ -89,7 +89,7 @@ def muon_momentum(
     torch._foreach_add_(list(bufs), scaled)
     source = list(bufs)
     if nesterov:
-        source = torch._foreach_mul(source, momentum)
+        source = list(torch._foreach_mul(source, momentum))
         torch._foreach_add_(source, scaled)
     _copy_(list(out), source)
 

@@ -12,9 +12,10 @@ sharded step equals the one-process step bit for bit (docs/design.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,10 +24,17 @@ from ._sharding.comm import CommStats
 from ._sharding.domains import Domain
 from ._sharding.exchange import run_plan
 from ._sharding.views import View, whole_matrix
-from .elementwise import adjust_lr, apply_results, apply_updates, nesterov_inputs, scale_results
+from .elementwise import (
+    adamw_update,
+    adjust_lr,
+    apply_results,
+    apply_updates,
+    nesterov_inputs,
+    scale_results,
+)
 from .newton_schulz import NSConfig, orthogonalize
 
-__all__ = ["MuonHyper", "muon_step"]
+__all__ = ["MuonHyper", "adamw_step", "muon_step"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,12 @@ class MuonHyper:
     momentum: float
     nesterov: bool
     adjust_lr_fn: str | None
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> MuonHyper:
+        """A param group's values (a tensor lr read once, as a float)."""
+        keys = ("weight_decay", "momentum", "nesterov", "adjust_lr_fn")
+        return cls(float(group["lr"]), *(group[k] for k in keys))
 
 
 def muon_step(
@@ -61,7 +75,7 @@ def muon_step(
         pairs = [(pos, views[pos][vi]) for pos, vi in domain.members]
         run_plan(
             domain.routes,
-            prepare=lambda k, pairs=pairs: pairs[k][1].cut(ns_in[pairs[k][0]]),
+            prepare=partial(_cut, pairs, ns_in),
             compute=partial(orthogonalize, config=config),
             finalize=partial(_finalize, pairs, params, assembled, hyper),
             group=domain.group,
@@ -71,6 +85,12 @@ def muon_step(
     apply_updates(
         [params[i] for i in mine], list(assembled.values()), lr=hyper.lr, weight_decay=hyper.weight_decay
     )
+
+
+def _cut(pairs: Sequence[tuple[int, View]], ns_in: Sequence[Tensor], k: int) -> Tensor:
+    """This rank's piece of matrix ``k`` of a domain, from its parameter's Newton-Schulz input."""
+    pos, view = pairs[k]
+    return view.cut(ns_in[pos])
 
 
 def _finalize(
@@ -98,3 +118,23 @@ def _finalize(
     for i, value in zip(later, scaled):
         pos, view = pairs[members[i]]
         view.place(assembled[pos], value)
+
+
+def adamw_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """torch.optim.AdamW on local tensors, in place; each ``steps`` counter is incremented first."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step += 1
+        adamw_update(
+            p, g, m, v, step=int(step.item()), lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
+        )

@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 Triple = tuple[float, float, float]
+# What ``ns_coefficients`` may be: a triple for every step, a per-step list, or a preset name.
+NSCoefficients = str | Triple | Sequence[Triple]
 
 # Keller Jordan's quintic, the default of KellerJordan/Muon and torch.optim.Muon
 # (https://github.com/KellerJordan/Muon/blob/f90a42b/muon.py#L16).

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import validation
@@ -16,14 +15,16 @@ from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
 from ._sharding.param_layout import local_grad, local_of
 from ._sharding.plan import DEFAULT_ROUND_BYTES
-from .elementwise import adamw_update
-from .functional import MuonHyper, muon_step
-from .newton_schulz import DEFAULT_COEFFICIENTS, NSConfig
+from .functional import MuonHyper, adamw_step, muon_step
+from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
 # torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+# torch.optim.Muon's arguments, in its order; then ours.
+_TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
+_VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None}
 
 
 class Muon(Optimizer):
@@ -56,8 +57,8 @@ class Muon(Optimizer):
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
         mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
-        process_group: for plain parameters replicated across ranks (DDP): the ranks that hold them,
-            which then split the Newton-Schulz work. Without it plain tensors are stepped locally.
+        process_group: the ranks that hold replicated plain parameters (DDP); they split the
+            Newton-Schulz work. Without it plain tensors are stepped locally.
         max_round_bytes: bytes of full matrices one pipelined exchange round carries, at least one
             matrix per rank; None: one round (default: 4 MiB, docs/benchmarks.md).
 
@@ -73,9 +74,7 @@ class Muon(Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: str
-        | tuple[float, float, float]
-        | list[tuple[float, float, float]] = DEFAULT_COEFFICIENTS,
+        ns_coefficients: NSCoefficients = DEFAULT_COEFFICIENTS,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -85,22 +84,11 @@ class Muon(Optimizer):
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
     ) -> None:
+        values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=validation.ns_dtype_name(ns_dtype),
-            mode=mode,
-            flatten=False,
-            experts=False,
-            split_sizes=None,
-            max_round_bytes=max_round_bytes,
+            zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, mode=mode, max_round_bytes=max_round_bytes
         )
+        defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
         self._process_group = process_group
         self._sharding: list[GroupSharding | None] = []
@@ -109,29 +97,24 @@ class Muon(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if validation.check_algorithm(param_group) == "adamw":
-            for key, value in ADAMW_DEFAULTS.items():
-                param_group.setdefault(key, value)
+            param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._sharding.append(self._setup(group, len(self.param_groups) - 1))
+        group, index = self.param_groups[-1], len(self.param_groups) - 1
+        try:  # check the group and, for Muon, derive its layouts and views (collective)
+            muon = validation.check_group(group) is not None
+            names = validation.param_names(group, index)
+            validation.check_params(group, names)
+            sharding = None
+            if muon:
+                group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
+                options = ViewOptions.of(group)
+                sharding = GroupSharding(group["params"], names, options, self._process_group)
         except Exception:
             self.param_groups.pop()
             raise
+        self._sharding.append(sharding)
         for p in group["params"]:
             self._init_state(group, p)
-
-    def _setup(self, group: dict[str, Any], index: int) -> GroupSharding | None:
-        """Check a new group; for a Muon group, derive its layouts and views (collective)."""
-        if self._check_group(group) is not None:
-            group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
-        names = self._names(group, index)
-        validation.check_params(group, names)
-        if group["algorithm"] == "adamw":
-            return None
-        split = tuple(group["split_sizes"]) if group["split_sizes"] else None
-        options = ViewOptions(group["flatten"], group["experts"], split)
-        return GroupSharding(group["params"], names, options, self._process_group)
 
     def _init_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Create state eagerly, so every rank has the same keys even before the first step and a
@@ -143,11 +126,6 @@ class Muon(Optimizer):
         for key in keys:
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def _names(self, group: dict[str, Any], index: int) -> list[str]:
-        if "param_names" in group:
-            return list(group["param_names"])
-        return [f"param_groups[{index}]['params'][{i}]" for i in range(len(group["params"]))]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
@@ -163,8 +141,8 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        configs = [self._check_group(g) for g in self.param_groups]
-        work = validation.preflight([self._preflight_items(g, i) for i, g in enumerate(self.param_groups)])
+        configs = [validation.check_group(g) for g in self.param_groups]
+        work = validation.preflight(self.param_groups, self._process_group)
         for group, sharding, config, todo in zip(self.param_groups, self._sharding, configs, work):
             params = [group["params"][i] for i in todo]
             for p in params:
@@ -175,55 +153,28 @@ class Muon(Optimizer):
                 self._muon_step(group, sharding, todo, config)
         return loss
 
-    def _check_group(self, group: dict[str, Any]) -> NSConfig | None:
-        """Hyperparameters a user or scheduler may have changed; a Muon group's NS config."""
-        if group["algorithm"] == "adamw":
-            validation.check_adamw_group(group)
-            return None
-        return validation.check_muon_group(group)
-
     def _muon_step(
         self, group: dict[str, Any], sharding: GroupSharding, todo: list[int], config: NSConfig
     ) -> None:
         params = [group["params"][i] for i in todo]
-        hyper = MuonHyper(
-            float(group["lr"]),
-            group["weight_decay"],
-            group["momentum"],
-            group["nesterov"],
-            group["adjust_lr_fn"],
-        )
         muon_step(
             [local_of(p) for p in params],
             [local_grad(p) for p in params],
             [local_of(self.state[p]["momentum_buffer"]) for p in params],
             [sharding.views[i] for i in todo],
             sharding.domains(todo, group["mode"], group["max_round_bytes"]),
-            hyper,
+            MuonHyper.of(group),
             config,
             self.comm_stats,
         )
 
-    def _preflight_items(self, group: dict[str, Any], index: int) -> list[validation.PreflightItem]:
-        """Who must agree about each gradient: its mesh, the DDP group (Muon), or nobody."""
-        ddp = self._process_group if group["algorithm"] == "muon" else None
-        return [
-            validation.PreflightItem(name, p, p.grad, p.device_mesh if isinstance(p, DTensor) else ddp)
-            for p, name in zip(group["params"], self._names(group, index))
-        ]
-
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        for p in params:
-            state = self.state[p]
-            state["step"] += 1
-            moments = local_of(state["exp_avg"]), local_of(state["exp_avg_sq"])
-            adamw_update(
-                local_of(p),
-                local_grad(p),
-                *moments,
-                step=int(state["step"].item()),
-                lr=float(group["lr"]),
-                betas=tuple(group["betas"]),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-            )
+        states = [self.state[p] for p in params]
+        adamw_step(
+            [local_of(p) for p in params],
+            [local_grad(p) for p in params],
+            [local_of(s["exp_avg"]) for s in states],
+            [local_of(s["exp_avg_sq"]) for s in states],
+            [s["step"] for s in states],
+            **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+        )

@@ -25,10 +25,12 @@ __all__ = [
     "PreflightItem",
     "check_adamw_group",
     "check_algorithm",
+    "check_group",
     "check_mode",
     "check_muon_group",
     "check_params",
     "ns_dtype_name",
+    "param_names",
     "preflight",
     "resolve_ns_config",
 ]
@@ -79,6 +81,15 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
 
+def check_group(group: Mapping[str, Any]) -> NSConfig | None:
+    """A group's hyperparameters (a user or scheduler may change them between steps); a Muon
+    group's Newton-Schulz config, None for AdamW."""
+    if group["algorithm"] == "adamw":
+        check_adamw_group(group)
+        return None
+    return check_muon_group(group)
+
+
 def check_adamw_group(group: Mapping[str, Any]) -> None:
     """torch.optim.AdamW's argument checks, with its messages."""
     _check_lr(group["lr"])
@@ -127,7 +138,7 @@ def resolve_ns_config(
     elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
         steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
     else:
-        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[union-attr]
+        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[arg-type]
         if not steps:
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
     per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
@@ -244,10 +255,23 @@ def _present(items: Sequence[PreflightItem]) -> list[bool]:
     return present
 
 
-def preflight(groups: Sequence[Sequence[PreflightItem]]) -> list[list[int]]:
+def param_names(group: Mapping[str, Any], index: int) -> list[str]:
+    """The names errors use: a group's ``param_names`` (FQNs from named parameters), or positions."""
+    if "param_names" in group:
+        return list(group["param_names"])
+    return [f"param_groups[{index}]['params'][{i}]" for i in range(len(group["params"]))]
+
+
+def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> list[list[int]]:
     """Check every parameter on every rank; return, per group, the indices of the parameters with a
-    gradient to apply. One all-reduce per axis of every mesh (and per DDP group) in use shares the
-    per-rank facts; then all ranks decide the same way, and raise on every rank if any rank's
-    input is bad."""
-    present = iter(_present([item for items in groups for item in items]))
-    return [[i for i in range(len(items)) if next(present)] for items in groups]
+    gradient to apply. Who must agree about a gradient: its mesh, the DDP group (Muon groups), or
+    nobody. One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank
+    facts; then all ranks decide the same way, and raise on every rank if any rank's input is bad."""
+    items = [
+        PreflightItem(name, p, p.grad, p.device_mesh if isinstance(p, DTensor) else ddp)
+        for index, group in enumerate(groups)
+        for ddp in [ddp_group if group["algorithm"] == "muon" else None]
+        for p, name in zip(group["params"], param_names(group, index))
+    ]
+    present = iter(_present(items))
+    return [[i for i in range(len(group["params"])) if next(present)] for group in groups]

@@ -3,8 +3,9 @@ exchange group (domain) the plan and this rank's routes through it. The step onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,11 @@ class ViewOptions:
     flatten: bool = False
     experts: bool = False
     split_sizes: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> ViewOptions:
+        split = group.get("split_sizes")
+        return cls(group.get("flatten", False), group.get("experts", False), tuple(split) if split else None)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .blocks import AxisShard, Block, block_shape, full_block, shard_blocks
+from .blocks import AxisShard, Block, block_numel, block_shape, full_block, shard_blocks
 from .comm import exchange_group
 
 __all__ = ["ParamLayout", "describe", "exchange_axes", "layout_of", "local_grad", "local_of", "same_layout"]
@@ -48,6 +48,7 @@ def local_of(t: Tensor) -> Tensor:
 def local_grad(p: Tensor) -> Tensor:
     """The local gradient of ``p``, shaped like the local parameter (an empty FSDP2 piece may be
     (0, 0) on one and (n, 0) on the other)."""
+    assert p.grad is not None, "the preflight steps only parameters with a gradient"
     grad, param = local_of(p.grad), local_of(p)
     return grad.reshape(param.shape) if grad.shape != param.shape and grad.numel() == 0 else grad
 
@@ -109,7 +110,7 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None) -> ParamLayo
     rank = dist.get_rank(group)
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
-    if local_shape != expected and (math.prod(local_shape) or math.prod(expected)):
+    if local_shape != expected and (p.to_local().numel() or block_numel(blocks[rank])):
         raise _unsupported(
             name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
         )
