@@ -26,6 +26,7 @@ __all__ = [
     "broadcast_object",
     "exchange_group",
     "gather_objects",
+    "rank_and_size",
     "save_group",
     "start_all_to_all",
     "sum_over_group",
@@ -123,8 +124,15 @@ def sum_over_scopes(
 
 
 # ------------------------------------------------------------------ checkpoint helpers' collectives
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index and the rank count of ``group`` (0 and 1 without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def _solo(group: dist.ProcessGroup | None) -> bool:
-    return not dist.is_initialized() or dist.get_world_size(group) == 1
+    return rank_and_size(group)[1] == 1
 
 
 def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from .._sharding import comm
 from .manifest import (
     CheckpointError,
     check_compatible,
@@ -52,36 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _dist(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if _solo():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _solo() -> bool:
     return not (dist.is_available() and dist.is_initialized())
-
-
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if _dist(group)[1] > 1:
-        dist.barrier(group=group)
-
-
-def _agree(value: Any, group: dist.ProcessGroup | None) -> Any:
-    """Rank 0's ``value`` on every rank (so all ranks take the same decision)."""
-    if _dist(group)[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
-def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if _dist(group)[1] == 1:
-        return [value]
-    out: list[Any] = [None] * _dist(group)[1]
-    dist.all_gather_object(out, value, group=group)
-    return out
 
 
 def _state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -101,12 +75,12 @@ def _publish(tmp: Path, final: Path, records: dict[str, dict[str, int]], info: d
 def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
-    if _agree(final.exists(), group):
+    if comm.broadcast_object(final.exists(), group):
         raise FileExistsError(f"{final} already exists; checkpoints are never overwritten, use a new step")
-    if _dist(group)[0] == 0:
+    if comm.rank_and_size(group)[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
         tmp.mkdir(parents=True)
-    _barrier(group)
+    comm.barrier(group)
     return tmp, final
 
 
@@ -119,9 +93,9 @@ def _finalize(
     group: dist.ProcessGroup | None,
 ) -> Path:
     """Checksums from every rank, then rank 0 publishes: manifest, rename, prune."""
-    rank, world = _dist(group)
+    rank, world = comm.rank_and_size(group)
     mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
-    records = {k: v for part in _gather(mine, group) for k, v in part.items()}
+    records = {k: v for part in comm.gather_objects(mine, group) for k, v in part.items()}
     if rank == 0:
         info = {
             "step": step,
@@ -134,7 +108,7 @@ def _finalize(
         if keep_last is not None:
             for old in complete_steps(final.parent)[:-keep_last]:
                 shutil.rmtree(step_dir(final.parent, old), ignore_errors=True)
-    _barrier(group)
+    comm.barrier(group)
     log.info("saved %s (%d files)", final, len(records) + 1)
     return final
 
@@ -163,28 +137,15 @@ class PendingSave:
     """An asynchronous save in flight. ``wait()`` (collective: call it on every rank) blocks until
     every rank's files are written, then publishes the checkpoint and returns its folder."""
 
-    def __init__(self, future: Any, publish: Any) -> None:
-        self._future, self._publish, self._done = future, publish, None
+    def __init__(self, future: Any, publish: Callable[[], Path]) -> None:
+        self._future, self._publish = future, publish
+        self._done: Path | None = None
 
     def wait(self) -> Path:
         if self._done is None:
             self._future.result()
             self._done = self._publish()
         return self._done
-
-
-_SAVE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group used only by saves: an async save that shares the training group can interleave
-    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
-    if _solo():
-        return None
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    if ranks not in _SAVE_GROUPS:
-        _SAVE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
-    return _SAVE_GROUPS[ranks]
 
 
 def async_save_checkpoint(
@@ -199,7 +160,7 @@ def async_save_checkpoint(
 ) -> PendingSave:
     """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
     ``wait()`` on the result (every rank) before the next save and before exiting."""
-    group = _save_group(process_group)
+    group = comm.save_group(process_group)
     tmp, final = _prepare(Path(root), step, group)
     future = dcp.async_save(
         _state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
@@ -214,11 +175,11 @@ def latest_step(root: str | os.PathLike) -> int | None:
 
 def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Every rank checks a share of the files; every rank raises the same error naming them."""
-    rank, world = _dist(group)
+    rank, world = comm.rank_and_size(group)
     manifest = read_manifest(folder)
     names = sorted(manifest["files"])
     problems = verify_files(folder, names[rank::world], manifest)
-    everyone = sorted(p for part in _gather(problems, group) for p in part)
+    everyone = sorted(p for part in comm.gather_objects(problems, group) for p in part)
     if everyone:
         raise CheckpointError("checkpoint files failed verification: " + "; ".join(everyone))
     return manifest
@@ -238,7 +199,7 @@ def load_checkpoint(
     world size and mesh may differ from the saving run's: DCP reshards. Files are verified against
     their checksums and the checkpoint's tensors against the model's before anything is loaded.
     """
-    chosen = _agree(step if step is not None else latest_step(root), process_group)
+    chosen = comm.broadcast_object(step if step is not None else latest_step(root), process_group)
     if chosen is None:
         return None
     folder = step_dir(root, chosen)
