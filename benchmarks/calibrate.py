@@ -1,10 +1,10 @@
-"""Calibrate the cost model (muon_dtensor/costmodel.py) on this machine and check it against measured steps.
+"""Calibrate the cost model (muon_dtensor/planning/costmodel.py) here; check it against measured steps.
 
 Measures, each with one torch thread as the optimizer runs here:
 
 1. the bf16 Newton-Schulz flop rate: ``newton_schulz`` on one matrix of each shape of the sets
    (the CPU path runs one matrix at a time), flops from ``ns_flops``;
-2. the elementwise memory rate: ``update.muon_momentum`` + ``apply_muon_update`` on large fp32
+2. the elementwise memory rate: ``elementwise.muon_momentum`` + ``apply_muon_update`` on large fp32
    tensors, counting the bytes the model counts for them (``Implementation``: 88 per element);
 3. the host overhead of one eager op: a ``muon_dtensor.Muon`` step over many tiny matrices, divided
    by the ops the model counts for it (so it includes Python per matrix, not only dispatch);
@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import set_shapes, system_info, wait_for_quiet  # noqa: E402
+from muon_dtensor import newton_schulz, resolve_ns_config  # noqa: E402
+from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
 from muon_dtensor.planning.costmodel import CURRENT_CPU, Hardware, predict  # noqa: E402
-from muon_dtensor.newton_schulz import newton_schulz, ns_flops, resolve_ns_config  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "calibrate.json"
 SETS = ["gpt2", "llama"]
@@ -89,18 +90,17 @@ def measure_ns(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
 
 def measure_memory(numel: int = 2**22) -> dict[str, float]:
     """The momentum and update passes on ``numel`` fp32 elements, in the pieces the step uses
-    (``muon_step.elementwise_buckets``); bytes as the model counts them."""
-    from muon_dtensor.functional import elementwise_buckets
-    from muon_dtensor.elementwise import apply_muon_update, muon_momentum, scale_updates
+    (``elementwise.buckets``); bytes as the model counts them."""
+    from muon_dtensor.elementwise import apply_muon_update, buckets, muon_momentum, scale_updates
 
     gen = torch.Generator().manual_seed(SEED)
     param, grad, buf = (torch.randn(numel, generator=gen) for _ in range(3))
 
     def passes() -> None:
         ns_in, scaled = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel)
-        for _, (b, g, out) in elementwise_buckets([[buf], [grad], [ns_in]]):
+        for _, (b, g, out) in buckets([[buf], [grad], [ns_in]]):
             muon_momentum(b, g, out, 0.95, True)
-        for _, (p, u, s) in elementwise_buckets([[param], [ns_in], [scaled]]):
+        for _, (p, u, s) in buckets([[param], [ns_in], [scaled]]):
             scale_updates(u, s, [0.02])
             apply_muon_update(p, s, lr=0.02, weight_decay=0.1)
 

@@ -45,8 +45,8 @@ def set_shapes(name: str, layers: int = 8, width: int = 512) -> list[tuple[int, 
 
 
 def comm_formulas(shapes: list[tuple[int, int]], n: int) -> dict[str, float]:
-    """S (all matrices in bf16) and the bytes each rank should send per step
-    (shared/reference/newton_schulz.md): owner 2 S (N-1) / N^2, gather S (N-1) / N."""
+    """S (all matrices in bf16) and the bytes each rank should send per step, each rank holding 1/N
+    of every matrix: owner 2 S (N-1) / N^2 (blocks to their owner and back), gather S (N-1) / N."""
     s = sum(r * c for r, c in shapes) * BF16_BYTES
     return {"S": s, "owner": 2 * s * (n - 1) / n**2, "gather": s * (n - 1) / n}
 

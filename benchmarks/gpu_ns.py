@@ -1,18 +1,18 @@
 """Batched bf16 Newton-Schulz TFLOP/s on one CUDA GPU, against the measured bf16 matmul peak.
 
-Prepared for a lent H200 (issue 6, item 5). For each shape it stacks B random matrices, B chosen so
+Prepared for an H200 (issue 6, item 5). For each shape it stacks B random matrices, B chosen so
 one call of ``muon_dtensor.newton_schulz.newton_schulz`` (5 Keller iterations, bf16) takes about
 100 ms at the measured peak, and times it eagerly and under ``torch.compile``. Flops are
-``ns_flops`` (4 m^2 n + 2 m^3 per iteration, shared/reference/newton_schulz.md). The peak is an
-8192^3 bf16 ``torch.mm`` on random data (never zeros: /work/.library/device/METHOD.md). Times are
-medians of CUDA-event timings after warmup. Goal: >= 70% of the measured peak on 4096-class
+``ns_flops`` (4 m^2 n + 2 m^3 per iteration: X X^T, its square, and the product with X). The
+peak is an 8192^3 bf16 ``torch.mm`` on random data (never zeros: GPUs can run a product of zeros
+faster than real data). Times are medians of CUDA-event timings after warmup. Goal: >= 70% of the measured peak on 4096-class
 matrices (4096^2 and 4096x14336).
 
 Exits with status 2 and a message on stderr when no CUDA device is present.
 
 Examples, from the repository root::
 
-    python benchmarks/gpu_ns.py                 # writes $OUT/gpu_ns.json or benchmarks/results/
+    python benchmarks/gpu_ns.py    # writes $OUT/gpu_ns.json if OUT is set, else benchmarks/results/
     python benchmarks/gpu_ns.py --no-compile --target-ms 50
 """
 
@@ -35,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from muon_dtensor.newton_schulz import newton_schulz, ns_flops, resolve_ns_config  # noqa: E402
+from muon_dtensor import newton_schulz, resolve_ns_config  # noqa: E402
+from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
 
 SHAPES = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (4096, 14336)]
 GOAL_SHAPES = {(4096, 4096), (4096, 14336)}

@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from muon_dtensor.planning.costmodel import LLAMA3_8B, LLAMA3_70B, predict, sharded_plan  # noqa: E402
 from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
+from muon_dtensor.planning.costmodel import LLAMA3_8B, LLAMA3_70B, predict, sharded_plan  # noqa: E402
 
 MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]

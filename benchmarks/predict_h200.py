@@ -3,10 +3,11 @@
 Prints, for Llama-3-8B (and 70B) at the chosen shard-group sizes, the predicted owner-mode step of
 the code as built (multi-tensor elementwise ops, exchange rounds of 4 MiB pipelined with
 Newton-Schulz), the same step in one round (no overlap), gather mode and redundant Newton-Schulz,
-then fused elementwise kernels (not built) and pessimistic hardware figures. Goals (issue 6): Llama-3-8B <= 130 ms on 8 H200s and <= 25 ms on 64;
-redundant Newton-Schulz is about 843 ms at any size.
+then fused elementwise kernels (not built) and pessimistic hardware figures. Goals (issue 6):
+Llama-3-8B <= 130 ms on 8 H200s and <= 25 ms on 64; redundant Newton-Schulz is about 843 ms at any
+size. For one model and layout at a time, ``python -m muon_dtensor plan`` prints the same model.
 
-Pure arithmetic (muon_dtensor/costmodel.py); no GPU needed. Examples, from the repository root::
+Pure arithmetic (muon_dtensor/planning/costmodel.py); no GPU needed. Examples, from the repository root::
 
     python benchmarks/predict_h200.py
     python benchmarks/predict_h200.py --ranks 8,16,32,64 --models llama3-8b,llama3-70b

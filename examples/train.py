@@ -48,11 +48,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from muon_dtensor.checkpoint.manifest import step_dir
+from muon_dtensor.checkpoint.safetensors import export_safetensors
 from muon_dtensor.demo.data import batch, corpus, file_tokens, tokens
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import MeshShape, build_mesh, data_parallel, device_type, shard_model
-from muon_dtensor.checkpoint.manifest import step_dir
-from muon_dtensor.checkpoint.safetensors import export_safetensors
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,18 +1,35 @@
-"""``python -m muon_dtensor demo [options]``."""
+"""``python -m muon_dtensor demo [options]`` or ``python -m muon_dtensor plan [options]``."""
 
 from __future__ import annotations
 
 import sys
 
+USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "demo":
-        print("usage: python -m muon_dtensor demo [--help]", file=sys.stderr)
-        return 2
-    from .demo import main as demo_main
+  demo   train a small model with FSDP2 on 2 CPU ranks, crash, resume on 1 rank, compare
+  plan   predict one Muon optimizer step for a model on N GPUs from the cost model
 
-    return demo_main(argv[1:])
+Each takes --help."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; return its exit status (2 and the usage for an unknown one)."""
+    argv = sys.argv[1:] if argv is None else argv
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "plan":
+        from .planning.cli import main as plan_main
+
+        return plan_main(rest)
+    if command in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    print(USAGE, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

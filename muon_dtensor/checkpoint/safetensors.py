@@ -12,6 +12,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,8 +22,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .manifest import CheckpointError
+from .._sharding.blocks import Block
 from .._sharding.param_layout import layout_of, local_of
+from .manifest import CheckpointError
 
 __all__ = ["export_safetensors", "load_safetensors"]
 
@@ -127,7 +129,7 @@ def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: boo
             local_of(p).copy_(_read_block(piece, layout.blocks[layout.rank], shape))
 
 
-def _read_block(piece, block, shape: tuple[int, ...]) -> torch.Tensor:
+def _read_block(piece: Any, block: Block, shape: tuple[int, ...]) -> torch.Tensor:
     """Read only ``block``'s rows and columns (one interval per dimension for Shard layouts)."""
     if not shape:
         return piece[:]

@@ -107,11 +107,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
     names = mesh.mesh_dim_names or ()
     dp_mesh = mesh
     placement_fn = None
+    blocks = model.get_submodule("blocks")  # TinyLM's nn.ModuleList of transformer blocks
     if "tp" in names:
-        for block in model.blocks:  # type: ignore[attr-defined]
+        for block in blocks.children():
             parallelize_module(block, mesh["tp"], _TP_PLAN)
         dp_mesh, placement_fn = mesh["dp"], _other_matrix_dim
-    for block in model.blocks:  # type: ignore[attr-defined]
+    for block in blocks.children():
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement_fn)
     fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement_fn)
 

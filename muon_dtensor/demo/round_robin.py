@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muon_dtensor import split_params
-from muon_dtensor.newton_schulz import newton_schulz, resolve_ns_config
+from muon_dtensor import newton_schulz, resolve_ns_config, split_params
 
 __all__ = ["RoundRobinMuon", "RoundRobinSession"]
 

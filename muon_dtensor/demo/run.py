@@ -107,6 +107,7 @@ def _crash(label: str, world: int, spec: RunSpec) -> None:
 def _scenario(args: argparse.Namespace, optimizer: str, first: int) -> report.Outcome:
     """Uninterrupted run, crashing run, resumed run."""
     base = _base(args, optimizer)
+    assert base.save_at is not None and base.crash_at is not None  # _base sets both
     shutil.rmtree(base.folder, ignore_errors=True)
     w, r = args.world_size, args.resume_world_size
     plain = replace(base, save_at=None, crash_at=None, record_from=base.save_at)

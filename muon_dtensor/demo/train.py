@@ -158,16 +158,17 @@ def train(spec: RunSpec) -> dict[str, Any] | None:
     session = _session(spec)
     Path(spec.folder).mkdir(parents=True, exist_ok=True)
     data = tokens(corpus())
-    start, out = 0, {"losses": {}, "params": {}, "kept": None}
+    start = 0
+    out: dict[str, Any] = {"losses": {}, "params": {}, "kept": None}
     if spec.resume:
         start = session.load(spec.folder)
         out["kept"] = session.momentum_kept()
-    record = spec.record_from is not None
-    if record and spec.record_from <= start:
+    record_from = spec.record_from
+    if record_from is not None and record_from <= start:
         _record(session, out, start)
     for step in range(start + 1, spec.steps + 1):
         out["losses"][step] = train_step(session, data, step, spec)
-        if record and step >= spec.record_from:
+        if record_from is not None and step >= record_from:
             _record(session, out, step)
         if step == spec.save_at:
             out["checkpoint"] = str(session.save(spec.folder, step))

@@ -2,13 +2,14 @@
 
 Pure arithmetic over the plan (``plan.build_plan`` on ``Shard(0)`` blocks, as FSDP2 lays them out,
 with the optimizer's default exchange rounds): no process group, no device. A step is three phases,
-as ``muon_step.muon_step`` runs them:
+as ``functional.muon_step`` runs them:
 
 1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local shards
    (memory-bound multi-tensor ops), and packing blocks for the all-to-alls;
-2. **mid**: the rounds of ``exchange.run_plan``, pipelined as it issues them: round k+1's all-to-all
-   to the owners and round k-1's all-to-all back travel while round k's matrices are assembled and
-   orthogonalized (one collective stream in issue order, one compute stream; ``_pipeline``);
+2. **mid**: the rounds of ``_sharding.exchange.run_plan``, pipelined as it issues them: round k+1's
+   all-to-all to the owners and round k-1's all-to-all back travel while round k's matrices are
+   assembled and orthogonalized (one collective stream in issue order, one compute stream;
+   ``_pipeline``);
 3. **post**: the scaled update and weight decay on local shards (memory-bound).
 
 Each phase costs device time (bytes over memory bandwidth, flops over the matmul rate, link bytes over
@@ -34,10 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .hardware import Hardware, fit_latency_bandwidth
 from .._sharding.blocks import AxisShard, Block, block_numel, shard_blocks
-from ..newton_schulz import ns_flops
 from .._sharding.plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
+from ..newton_schulz import ns_flops
+from .hardware import Hardware, fit_latency_bandwidth
 
 __all__ = [
     "CURRENT",
@@ -61,9 +62,10 @@ Shape = tuple[int, int]
 class Implementation:
     """What the step's code does per element, per matrix and per bucket, apart from the machine.
 
-    The defaults count the code as built (``update.py``, ``muon_step.py``, ``exchange.py``), in bytes
-    read plus written per local element (fp32) and in eager ops. Momentum: ``grad * (1 - m)`` 8,
-    ``buf *= m`` 8, ``buf += `` 12; Nesterov ``buf * m`` 8, ``+=`` 12; copy to bf16 6: 54 bytes.
+    The defaults count the code as built (``elementwise.py``, ``functional.py``,
+    ``_sharding/exchange.py``), in bytes read plus written per local element (fp32) and in eager
+    ops. Momentum: ``grad * (1 - m)`` 8, ``buf *= m`` 8, ``buf += `` 12; Nesterov ``buf * m`` 8,
+    ``+=`` 12; copy to bf16 6: 54 bytes.
     Update: copy to fp32 6, ``*= lr`` 8, ``param *= 1 - lr wd`` 8, ``-=`` 12: 34 bytes. Every bf16
     element packed for an all-to-all or assembled into a full matrix is read and written: 4 bytes.
     Host: per local matrix, 2 ops before (allocate its Newton-Schulz input, cut its block) and 2 after
@@ -78,14 +80,14 @@ class Implementation:
     post_ops: int = 2
     pre_bucket_ops: int = 6
     post_bucket_ops: int = 4
-    bucket_elements: int = 1 << 26  # muon_step.BUCKET_ELEMENTS
+    bucket_elements: int = 1 << 26  # elementwise.BUCKET_ELEMENTS
     batched_ns: bool = True  # one Newton-Schulz call per shape per round (CUDA) or per matrix (CPU)
     max_round_bytes: int | None = DEFAULT_ROUND_BYTES  # None: one round, no overlap
 
 
 CURRENT = Implementation()
 # On CPU: Newton-Schulz one matrix at a time (oneDNN's batched bf16 GEMM was slower) and elementwise
-# work in cache-sized pieces (muon_step.CPU_PIECE_ELEMENTS).
+# work in cache-sized pieces (elementwise.CPU_PIECE_ELEMENTS).
 CURRENT_CPU = Implementation(batched_ns=False, bucket_elements=1 << 17)
 # Not built: one fused kernel for momentum (read g, buf; write buf, bf16 input: 4+4+4+2) and one for
 # the update (read param, bf16 result; write param: 4+2+4) per bucket.

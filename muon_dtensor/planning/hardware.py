@@ -1,13 +1,14 @@
 """What the cost model (costmodel.py) knows about a machine: rates, bandwidths, latencies, host cost.
 
-Defaults for an H200 with NVLink and 400 Gb/s InfiniBand, every figure sourced below; or rates
-fitted from measurements (benchmarks/calibrate.py does that on this machine).
+Defaults for an H200 with NVLink and 400 Gb/s InfiniBand, every figure sourced at ``Hardware.h200``;
+or rates fitted from measurements (``benchmarks/calibrate.py`` fits them on the machine it runs on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["Hardware", "fit_latency_bandwidth"]
 
@@ -32,19 +33,22 @@ class Hardware:
     async_host: bool = True
 
     @classmethod
-    def h200(cls, **overrides: float | int | bool) -> Hardware:
-        """One H200 SXM in an 8-GPU HGX node with NVLink 4 and one 400 Gb/s InfiniBand NIC per GPU."""
-        # bf16 matmul: the datasheet's dense peak is ~989 TFLOP/s; an 8192^3 bf16 torch.mm on random data
-        # measured 769-798 TFLOP/s on this workplace's H200s (/work/.library/device/KINDS.md, 2026-10-28
-        # and 2026-11-04; H200.md: "bf16 matrix work at about 790 TFLOP/s"). 666 TFLOP / 790 = 843 ms,
-        # the issue's redundant Newton-Schulz figure for Llama-3-8B.
-        # Memory: HBM3e 4.8 TB/s by the datasheet; a device-to-device copy measured ~4.3 TB/s counting
-        # bytes read plus written (KINDS.md, same dates).
-        # NVLink 4: 18 links x 50 GB/s = 900 GB/s bidirectional per GPU, 450 GB/s each way (peak;
-        # NVSwitch all-to-all reaches less, so this is optimistic).
-        # InfiniBand NDR: 400 Gb/s = 50 GB/s each way per NIC, one NIC per GPU on HGX H200 (peak).
-        # Latency: an assumption (tens of microseconds for a small NCCL collective), not a measurement.
-        # Op overhead: an assumption (a few microseconds of host time per eager CUDA op in PyTorch).
+    def h200(cls, **overrides: Any) -> Hardware:
+        """One H200 SXM in an 8-GPU HGX node with NVLink 4 and one 400 Gb/s InfiniBand NIC per GPU.
+
+        Keyword arguments replace single fields, e.g. ``Hardware.h200(matmul_flops=600e12)``.
+        """
+        # Matmul: real bf16 GEMMs stay below the datasheet's dense peak (989 TFLOP/s, NVIDIA H200
+        # product page, https://www.nvidia.com/en-us/data-center/h200/); 790 is what a large bf16
+        # torch.mm reached on H200s (docs/benchmarks.md, "Where the H200 figures come from").
+        # Memory: elementwise passes count bytes read plus written; the datasheet's 4.8 TB/s HBM3e is
+        # a peak, a device-to-device copy reached about 4.3 TB/s (same section).
+        # NVLink 4: 900 GB/s per GPU counting both directions, so 450 GB/s each way (same product
+        # page; NVIDIA H100 architecture whitepaper, https://resources.nvidia.com/en-us-tensor-core).
+        # InfiniBand NDR: 400 Gb/s = 50 GB/s each way per NIC, one NIC per GPU on HGX H200 (NVIDIA
+        # ConnectX-7 product brief). Link peaks are optimistic: an all-to-all reaches less.
+        # Latency per collective and host time per eager op are assumptions, not measurements: tens
+        # of microseconds for a small NCCL collective, a few microseconds of PyTorch dispatch per op.
         base = cls(
             matmul_flops=790e12,
             memory_bandwidth=4.3e12,

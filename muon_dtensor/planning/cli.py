@@ -1,0 +1,214 @@
+"""``python -m muon_dtensor plan``: the cost model's Muon step for a model on a number of GPUs.
+
+Examples::
+
+    python -m muon_dtensor plan --model llama3-8b --gpus 64
+    python -m muon_dtensor plan --model llama3-70b --gpus 256 --shard 64     # HSDP: 4 replicas x 64
+    python -m muon_dtensor plan --layers 24 --dim 2048 --gpus 8 --matmul-tflops 600
+    python -m muon_dtensor plan --model llama3-8b --gpus 8 --json
+
+The step is predicted by ``costmodel.predict`` for one shard group (the ranks a parameter is sharded
+over, FSDP2's ``Shard(0)``): Newton-Schulz work and all-to-alls stay inside it, and every replica
+group (HSDP's replicate axis) runs the same step at the same time, so replicas add no optimizer time.
+Pure arithmetic: no GPU, no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .._sharding.plan import DEFAULT_ROUND_BYTES
+from .costmodel import CURRENT, LLAMA3_8B, LLAMA3_70B, Prediction, Shape, predict, transformer_shapes
+from .hardware import Hardware
+
+__all__ = ["MODELS", "Layout", "hardware", "main", "parse_args", "plan"]
+
+MODELS: dict[str, list[Shape]] = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+# Command-line flag -> (Hardware field, factor from the flag's unit to the field's).
+_HW_FLAGS = {
+    "matmul_tflops": ("matmul_flops", 1e12),
+    "memory_tbps": ("memory_bandwidth", 1e12),
+    "intra_node_gbps": ("intra_node_bandwidth", 1e9),
+    "inter_node_gbps": ("inter_node_bandwidth", 1e9),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "latency_us": ("collective_latency", 1e-6),
+    "op_overhead_us": ("op_overhead", 1e-6),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``gpus`` = ``replicate`` replica groups x ``shard`` ranks per shard group."""
+
+    gpus: int
+    shard: int
+    replicate: int
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (a preset, or a transformer given by --layers and --dim)")
+    g.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="preset (llama3-8b)")
+    g.add_argument("--layers", type=int, help="transformer layers (replaces --model)")
+    g.add_argument("--dim", type=int, help="model width")
+    g.add_argument("--kv-rows", type=int, help="rows of k and v (kv heads x head size; default: dim)")
+    g.add_argument("--ffn", type=int, help="MLP hidden size (default: 4 x dim)")
+    g.add_argument("--gated", action="store_true", help="gated MLP (gate, up, down), as Llama")
+    g.add_argument("--fused-qkv", action="store_true", help="q, k, v as one matrix")
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layout (give --gpus, or --shard and --replicate)")
+    g.add_argument("--gpus", type=int, help="GPUs in all (default: shard x replicate)")
+    g.add_argument("--shard", type=int, help="ranks per shard group (default: gpus / replicate)")
+    g.add_argument("--replicate", type=int, help="replica groups, HSDP (default: gpus / shard, or 1)")
+    g.add_argument("--mode", choices=("owner", "gather", "redundant"), default="owner", help="(owner)")
+    g.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (5)")
+    g.add_argument(
+        "--max-round-bytes",
+        type=int,
+        default=DEFAULT_ROUND_BYTES,
+        help=f"bytes of full matrices per exchange round; 0: one round ({DEFAULT_ROUND_BYTES})",
+    )
+
+
+def _hardware_args(p: argparse.ArgumentParser) -> None:
+    d = Hardware.h200()
+    g = p.add_argument_group("hardware (default: H200 SXM, 8 per node; see muon_dtensor.planning.hardware)")
+    for flag, (field, unit) in _HW_FLAGS.items():
+        cast = int if field == "gpus_per_node" else float
+        default = getattr(d, field) / unit
+        g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``plan``'s arguments; exits with status 2 on bad ones, as argparse does."""
+    p = argparse.ArgumentParser(
+        prog="python -m muon_dtensor plan",
+        description="Predict one Muon optimizer step from the cost model (no GPU needed).",
+    )
+    _model_args(p)
+    _layout_args(p)
+    _hardware_args(p)
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.layout = _layout(args.gpus, args.shard, args.replicate)
+        args.shapes = _shapes(args)
+    except ValueError as e:
+        p.error(str(e))
+    if args.ns_steps < 0 or args.max_round_bytes < 0:
+        p.error("--ns-steps and --max-round-bytes must be >= 0")
+    return args
+
+
+def _layout(gpus: int | None, shard: int | None, replicate: int | None) -> Layout:
+    if gpus is None and shard is None:
+        raise ValueError("give --gpus, or --shard (and --replicate)")
+    if any(v is not None and v < 1 for v in (gpus, shard, replicate)):
+        raise ValueError("--gpus, --shard and --replicate must be >= 1")
+    if gpus is None:
+        assert shard is not None
+        return Layout(shard * (replicate or 1), shard, replicate or 1)
+    for flag, size in (("--shard", shard), ("--replicate", replicate)):
+        if size is not None and gpus % size:
+            raise ValueError(f"--gpus {gpus} is not a multiple of {flag} {size}")
+    if shard is None:
+        shard = gpus // (replicate or 1)
+    replicate = replicate or gpus // shard
+    if shard * replicate != gpus:
+        raise ValueError(f"--gpus {gpus} is not --shard {shard} x --replicate {replicate}")
+    return Layout(gpus, shard, replicate)
+
+
+def _shapes(args: argparse.Namespace) -> list[Shape]:
+    if args.layers is None and args.dim is None:
+        return MODELS[args.model]
+    if args.layers is None or args.dim is None or args.layers < 1 or args.dim < 1:
+        raise ValueError("a custom model needs both --layers and --dim (>= 1)")
+    return transformer_shapes(
+        args.layers, args.dim, kv_rows=args.kv_rows, ffn=args.ffn, gated=args.gated, fused_qkv=args.fused_qkv
+    )
+
+
+def hardware(args: argparse.Namespace) -> Hardware:
+    """``Hardware.h200()`` with the fields the flags set."""
+    overrides = {
+        field: getattr(args, flag) * unit
+        for flag, (field, unit) in _HW_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    return Hardware.h200(**overrides)
+
+
+def plan(args: argparse.Namespace) -> Prediction:
+    """The cost model's step for parsed arguments: one shard group of ``args.layout.shard`` ranks."""
+    impl = replace(CURRENT, max_round_bytes=args.max_round_bytes or None)
+    return predict(
+        args.shapes, args.layout.shard, hardware(args), mode=args.mode, impl=impl, ns_steps=args.ns_steps
+    )
+
+
+def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
+    lay, shapes = args.layout, args.shapes
+    name = args.model if args.layers is None else f"custom ({args.layers} layers of width {args.dim})"
+    rounds = "one round" if not args.max_round_bytes else f"rounds of {args.max_round_bytes:,} bytes"
+    return [
+        f"model: {name}, {len(shapes)} hidden matrices, {sum(r * c for r, c in shapes):,} elements",
+        f"layout: {lay.gpus} GPUs = {lay.replicate} replica group(s) x {lay.shard} ranks per shard "
+        f"group, {hw.gpus_per_node} GPUs per node",
+        f"hardware: bf16 matmul {hw.matmul_flops / 1e12:g} TFLOP/s, memory {hw.memory_bandwidth / 1e12:g} "
+        f"TB/s, links {hw.intra_node_bandwidth / 1e9:g} / {hw.inter_node_bandwidth / 1e9:g} GB/s each "
+        f"way (in / across nodes), {hw.collective_latency * 1e6:g} us per collective, "
+        f"{hw.op_overhead * 1e6:g} us per eager op",
+        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}",
+    ]
+
+
+def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> str:
+    """The human-readable report: setting, a table of the step's parts in ms, traffic, comparison."""
+    hw = hardware(args)
+    rows = [
+        ("step", p.total),
+        ("Newton-Schulz (busiest rank)", p.newton_schulz),
+        ("all-to-alls", p.comm),
+        ("elementwise (memory-bound)", p.memory),
+        ("host (eager ops)", p.host),
+    ]
+    lines = _describe(args, hw) + ["", "Predicted Muon step (costmodel.predict), per shard group:", ""]
+    lines += ["| part | ms |", "|---|---:|"] + [f"| {k} | {v * 1e3:.1f} |" for k, v in rows]
+    lines += [
+        "",
+        f"collectives per step: {p.collectives}; sent per rank per step: {p.bytes_sent_mean / 1e6:,.1f} MB "
+        f"mean, {p.bytes_sent_max / 1e6:,.1f} MB max; Newton-Schulz imbalance {p.imbalance:.3f} (max / mean)",
+        "The parts overlap (all-to-alls behind Newton-Schulz"
+        + (", host behind device)" if hw.async_host else ")")
+        + ", so the step is less than their sum.",
+        f"Every rank orthogonalizing every matrix instead (mode redundant): {redundant.total * 1e3:.1f} ms.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the prediction; return the exit status (0, or 2 for bad arguments)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or an error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    p = plan(args)
+    if args.json:
+        out: dict[str, Any] = {"layout": asdict(args.layout), "hardware": asdict(hardware(args))}
+        print(json.dumps(out | {"prediction": asdict(p)}, indent=2))
+        return 0
+    redundant = predict(
+        args.shapes, args.layout.shard, hardware(args), mode="redundant", ns_steps=args.ns_steps
+    )
+    print(_report(args, p, redundant))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
