@@ -91,7 +91,7 @@ class Muon(Optimizer):
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
         self._process_group = process_group
-        self._sharding: list[GroupSharding | None] = []
+        self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
         self.comm_stats = CommStats()
         super().__init__(params, defaults)
 
@@ -100,19 +100,13 @@ class Muon(Optimizer):
             param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
-        try:  # check the group and, for Muon, derive its layouts and views (collective)
-            muon = validation.check_group(group) is not None
-            names = validation.param_names(group, index)
-            validation.check_params(group, names)
-            sharding = None
-            if muon:
+        try:  # local checks only: collectives wait for the first step, once every rank agrees
+            if validation.check_group(group) is not None:
                 group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
-                options = ViewOptions.of(group)
-                sharding = GroupSharding(group["params"], names, options, self._process_group)
+            validation.check_params(group, validation.param_names(group, index))
         except Exception:
             self.param_groups.pop()
             raise
-        self._sharding.append(sharding)
         for p in group["params"]:
             self._init_state(group, p)
 
@@ -142,8 +136,12 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         configs = [validation.check_group(g) for g in self.param_groups]
+        validation.agree(self.param_groups, self._process_group)  # before any other collective
+        shardings = [
+            self._sharding(i, g) if c else None for i, (g, c) in enumerate(zip(self.param_groups, configs))
+        ]
         work = validation.preflight(self.param_groups, self._process_group)
-        for group, sharding, config, todo in zip(self.param_groups, self._sharding, configs, work):
+        for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
             params = [group["params"][i] for i in todo]
             for p in params:
                 self._init_state(group, p)
@@ -152,6 +150,15 @@ class Muon(Optimizer):
             elif config is not None and todo:
                 self._muon_step(group, sharding, todo, config)
         return loss
+
+    def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
+        """A Muon group's layouts, views and plans: built (collectively) on first use and again when
+        its parameters or view options change."""
+        key = (tuple(map(id, group["params"])), ViewOptions.of(group))
+        if index not in self._shardings or self._shardings[index][0] != key:
+            names = validation.param_names(group, index)
+            self._shardings[index] = key, GroupSharding(group["params"], names, key[1], self._process_group)
+        return self._shardings[index][1]
 
     def _muon_step(
         self, group: dict[str, Any], sharding: GroupSharding, todo: list[int], config: NSConfig

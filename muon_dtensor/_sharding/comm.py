@@ -26,6 +26,7 @@ __all__ = [
     "broadcast_object",
     "exchange_group",
     "gather_objects",
+    "gather_over_scope",
     "rank_and_size",
     "save_group",
     "start_all_to_all",
@@ -65,6 +66,13 @@ class CommStats:
 
     def release(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
+
+    def __repr__(self) -> str:
+        """The figures, bytes as plain integers: ``CommStats(sent=..., received=..., ...)``."""
+        return (
+            f"CommStats(sent={self.sent}, received={self.received}, collectives={self.collectives}, "
+            f"orthogonalized={self.orthogonalized}, peak_bytes={self.peak_bytes})"
+        )
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -120,6 +128,16 @@ def sum_over_scopes(
             out.append((sum_over_mesh(counts, scope), scope.size()))
         else:
             out.append((sum_over_group(counts, scope), dist.get_world_size(scope)))
+    return out
+
+
+def gather_over_scope(value: Any, scope: DeviceMesh | dist.ProcessGroup) -> dict[int, Any]:
+    """Every rank's ``value`` that this rank can reach in ``scope``: over each axis of a mesh (no new
+    group needed), or over the group; keyed by global rank. Collective over the scope."""
+    groups = [scope.get_group(a) for a in range(scope.ndim)] if isinstance(scope, DeviceMesh) else [scope]
+    out: dict[int, Any] = {}
+    for group in groups:
+        out.update(zip(dist.get_process_group_ranks(group), gather_objects(value, group)))
     return out
 
 

@@ -15,7 +15,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, shard_blocks
 from .comm import exchange_group
 
-__all__ = ["ParamLayout", "describe", "exchange_axes", "layout_of", "local_grad", "local_of", "same_layout"]
+__all__ = [
+    "check_placements",
+    "ParamLayout",
+    "describe",
+    "exchange_axes",
+    "layout_of",
+    "local_grad",
+    "local_of",
+    "same_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,16 @@ def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGro
     return [flat_ranks.index(r) for r in dist.get_process_group_ranks(group)]
 
 
+def check_placements(p: Tensor, name: str) -> None:
+    """Raise ValueError naming ``name`` if ``p`` is a DTensor whose layout is not handled here, or
+    one on a mesh this rank is not part of. Reads metadata only: the same answer on every rank."""
+    if not isinstance(p, DTensor):
+        return
+    if p.device_mesh.get_coordinate() is None:
+        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
+    _shards(p, name)
+
+
 def exchange_axes(p: DTensor, name: str) -> tuple[int, ...]:
     """The mesh axes whose ranks exchange ``p``'s blocks: the sharded ones, or every axis when ``p`` is
     replicated everywhere (then the whole mesh shares its work)."""
@@ -122,9 +141,8 @@ def layout_of(p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None) 
     this for the same parameters in the same order). ``ddp_group`` serves plain tensors."""
     if not isinstance(p, DTensor):
         return describe(p, name, ddp_group)
+    check_placements(p, name)
     mesh = p.device_mesh
-    if mesh.get_coordinate() is None:
-        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
     axes = exchange_axes(p, name)
     group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
     return describe(p, name, group)

@@ -116,14 +116,15 @@ def matrix_views(
     experts: bool = False,
     split_sizes: Sequence[int] | None = None,
 ) -> list[View]:
-    """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``."""
+    """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``. A parameter
+    with no elements has none (torch.optim.Muon steps it as a no-op, so do we)."""
+    if math.prod(shape) == 0:
+        return []
     experts = experts and len(shape) == 3
     rows_dim = 1 if experts else 0
     rows = shape[rows_dim]
     cols = shape[2] if experts else math.prod(shape[1:])
-    splits = list(split_sizes) if split_sizes else [rows]
-    if sum(splits) != rows or min(splits) <= 0:
-        raise ValueError(f"split_sizes {splits} of '{name}' must be positive and sum to its {rows} rows")
+    splits = list(split_sizes) if split_sizes else [rows]  # validation.check_params checked them
     views = []
     for e in range(shape[0]) if experts else [None]:
         start = 0
