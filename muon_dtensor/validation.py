@@ -174,21 +174,14 @@ def _check_split_sizes(p: Tensor, name: str, split_sizes: Sequence[int] | None, 
 
 
 def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Each parameter fits its group's algorithm, and a Muon group lives on one mesh."""
-    meshes: dict[Any, str] = {}
+    """Each parameter fits its group's algorithm. A group may mix meshes (and plain tensors): each
+    exchange group gets its own plan."""
     muon = group["algorithm"] == "muon"
     for p, name in zip(group["params"], names):
-        meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
         _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
         if muon:
             check_placements(p, name)
             _check_split_sizes(p, name, group.get("split_sizes"), group.get("experts", False))
-    if len(meshes) > 1:
-        found = ", ".join(f"'{n}' on {m or 'no mesh (a plain tensor)'}" for m, n in meshes.items())
-        raise ValueError(
-            f"one param group holds parameters on different meshes ({found}); "
-            "put the parameters of each mesh in a param group of their own"
-        )
 
 
 @dataclass(frozen=True)
