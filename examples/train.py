@@ -12,9 +12,18 @@ One node, two processes (CPU: gloo; GPUs: NCCL, one per process)::
 
     torchrun --standalone --nproc_per_node=2 examples/train.py --steps 200 --ckpt runs/train
 
-Resume after a crash or to train longer (same command plus ``--resume``; any world size)::
+Resume after a crash (same command plus ``--resume``; any world size): the step, data position and
+learning-rate schedule continue exactly::
 
-    torchrun --standalone --nproc_per_node=2 examples/train.py --steps 400 --ckpt runs/train --resume
+    torchrun --standalone --nproc_per_node=2 examples/train.py --steps 200 --ckpt runs/train --resume
+
+The checkpoint records the schedule (warmup, horizon ``--steps``, floor); a resume that would change
+it is refused. To train longer than planned, say so: ``--stretch-schedule`` rebuilds the cosine to
+end at the new ``--steps``, as if the run had been planned that long (the log shows the learning rate
+before and after; it goes up)::
+
+    torchrun --standalone --nproc_per_node=2 examples/train.py --steps 400 --ckpt runs/train --resume \
+        --stretch-schedule
 
 Two nodes, one command on each (``--rdzv_endpoint`` is node 0's address; 127.0.0.1 runs both
 "nodes" on this machine; ``--ckpt`` must be a folder every node sees)::
@@ -83,6 +92,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ckpt.add_argument("--keep-last", type=int, default=2, help="checkpoints kept (older ones deleted)")
     ckpt.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
     ckpt.add_argument(
+        "--stretch-schedule",
+        action="store_true",
+        help="on --resume, accept a --steps, --warmup or --min-lr-ratio that differs from the checkpoint's "
+        "schedule: the cosine is rebuilt to end at the new --steps (the learning rate changes at once)",
+    )
+    ckpt.add_argument(
         "--export", type=Path, default=None, help="safetensors folder (default: CKPT/safetensors)"
     )
     return p.parse_args(argv)
@@ -94,6 +109,33 @@ def lr_factor(step: int, *, warmup: int, total: int, floor: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The learning-rate schedule a checkpoint records next to the scheduler's state."""
+    return {"warmup": args.warmup, "horizon": args.steps, "min_lr_ratio": args.min_lr_ratio}
+
+
+FLAGS = {"warmup": "--warmup", "horizon": "--steps", "min_lr_ratio": "--min-lr-ratio"}
+
+
+def schedule_problem(saved: dict[str, Any] | None, args: argparse.Namespace) -> str | None:
+    """Why resuming with ``args`` would not continue the saved schedule, or None when it would."""
+    wanted = schedule_of(args)
+    if saved == wanted:
+        return None
+    if saved is None:
+        return "the checkpoint records no learning-rate schedule (saved by an older examples/train.py)"
+    changed = ", ".join(
+        f"{FLAGS[k]} {saved.get(k)} -> {wanted[k]}" for k in wanted if saved.get(k) != wanted[k]
+    )
+    return f"the checkpoint's learning-rate schedule differs from this run's ({changed})"
+
+
+def _continue_with(saved: dict[str, Any] | None) -> str:
+    if saved is None:
+        return "Start a new run (another --ckpt)"
+    return "Resume with " + " ".join(f"{FLAGS[k]} {saved[k]}" for k in FLAGS if k in saved)
 
 
 def log(message: str) -> None:
@@ -156,14 +198,28 @@ def train_step(
 
 
 def resume(args: argparse.Namespace, model: nn.Module, opt: Muon, schedule: LambdaLR) -> int:
-    """Load the newest complete checkpoint; returns its step (0 when there is none)."""
+    """Load the newest complete checkpoint; returns its step (0 when there is none). The schedule
+    continues exactly; a changed one is refused unless ``--stretch-schedule`` (SystemExit)."""
     if not args.resume:
         return 0
     info = load_checkpoint(args.ckpt, model, opt)
     if info is None:
         log(f"--resume: no complete checkpoint under {args.ckpt}, starting from step 0")
         return 0
+    problem = schedule_problem(info.get("schedule"), args)
+    if problem and not args.stretch_schedule:
+        raise SystemExit(
+            f"error: {problem}: resuming would rebuild the cosine and change the learning rate at once. "
+            f"{_continue_with(info.get('schedule'))} to continue exactly, or add --stretch-schedule to "
+            "rebuild the schedule for this run's values."
+        )
     schedule.load_state_dict(info["scheduler"])
+    if problem:
+        before = [group["lr"] for group in opt.param_groups]
+        for group, base, factor in zip(opt.param_groups, schedule.base_lrs, schedule.lr_lambdas):
+            group["lr"] = base * factor(schedule.last_epoch)
+        schedule._last_lr = [group["lr"] for group in opt.param_groups]  # what get_last_lr() reports
+        log(f"--stretch-schedule: {problem}; lr {before[0]:.5f} -> {opt.param_groups[0]['lr']:.5f}")
     log(f"resumed from {step_dir(args.ckpt, info['step'])} (data position {info['data_step']})")
     return int(info["data_step"])
 
@@ -175,15 +231,14 @@ def train(args: argparse.Namespace) -> None:
     start = resume(args, model, opt, schedule)
     clock = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
+        lr = opt.param_groups[0]["lr"]  # the learning rate this step uses
         loss = train_step(model, opt, data, step, args, mesh)
         schedule.step()
         if step % args.log_every == 0 or step == args.steps:
             rate = (step - start) / (time.perf_counter() - clock)
-            log(
-                f"step {step}/{args.steps} loss {loss:.4f} lr {opt.param_groups[0]['lr']:.5f} ({rate:.1f} steps/s)"
-            )
+            log(f"step {step}/{args.steps} loss {loss:.4f} lr {lr:.5f} ({rate:.1f} steps/s)")
         if step % args.save_every == 0 or step == args.steps:
-            extra = {"data_step": step, "scheduler": schedule.state_dict()}
+            extra = {"data_step": step, "scheduler": schedule.state_dict(), "schedule": schedule_of(args)}
             folder = save_checkpoint(args.ckpt, step, model, opt, extra=extra, keep_last=args.keep_last)
             log(f"saved {folder}")
 

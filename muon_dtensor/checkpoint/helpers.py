@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from .._sharding import comm
+from ._warnings import single_process
 from .manifest import (
     CheckpointError,
     check_compatible,
@@ -129,7 +130,9 @@ def save_checkpoint(
     returned by ``load_checkpoint``. An existing step is never overwritten.
     """
     tmp, final = _prepare(Path(root), step, process_group)
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=_solo())
+    solo = _solo()
+    with single_process(solo):
+        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=solo)
     return _finalize(tmp, final, step, extra, keep_last, process_group)
 
 
@@ -210,7 +213,9 @@ def load_checkpoint(
     # Partial load: hyperparameter entries a torch.optim.Muon / AdamW checkpoint lacks ("algorithm")
     # keep their current values; every tensor was checked to be present above.
     planner = DefaultLoadPlanner(allow_partial_load=True)
-    dcp.load(state, checkpoint_id=str(folder), process_group=process_group, planner=planner, no_dist=_solo())
+    solo = _solo()
+    with single_process(solo):
+        dcp.load(state, checkpoint_id=str(folder), process_group=process_group, planner=planner, no_dist=solo)
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:

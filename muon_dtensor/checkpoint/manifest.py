@@ -112,16 +112,30 @@ def _short(keys: Iterable[str]) -> str:
     return shown + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
 
 
+def _part(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
 def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
     """Raise CheckpointError, before anything is loaded, if the checkpoint's tensors are not the
-    ones ``flat_state`` (DCP-flattened ``{"model": ..., "optim": ...}``) expects."""
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    ones ``flat_state`` (DCP-flattened ``{"model": ..., "optim": ...}``) expects.
+
+    Only the parts ``flat_state`` asks for are compared: a weights-only load (``{"model": ...}``)
+    ignores the checkpoint's optimizer entries, a full load checks both parts.
+    """
+    parts = {_part(k) for k in flat_state}
+    metadata = {
+        k: v
+        for k, v in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items()
+        if _part(k) in parts
+    }
     saved = {k: tuple(v.size) for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
     wanted = _tensor_keys(flat_state)
     missing, unexpected = wanted.keys() - saved.keys(), saved.keys() - wanted.keys()
     if missing or unexpected:
         raise CheckpointError(
-            f"{folder} does not match this model and optimizer. Missing from the checkpoint: "
+            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}. "
+            "Missing from the checkpoint: "
             f"{_short(missing) or 'nothing'}. Unexpected in the checkpoint: {_short(unexpected) or 'nothing'}. "
             "Nothing was loaded."
         )

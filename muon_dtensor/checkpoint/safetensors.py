@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._sharding.blocks import Block
 from .._sharding.param_layout import layout_of, local_of
+from ._warnings import single_process
 from .manifest import CheckpointError
 
 __all__ = ["export_safetensors", "load_safetensors"]
@@ -40,8 +40,7 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
     }
     if not state:
         raise CheckpointError(f"{folder} holds no tensors under '{prefix}'")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
+    with single_process():  # "assuming the intent is to load in a single process": it is
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return {key[len(prefix) :]: value for key, value in state.items()}
 

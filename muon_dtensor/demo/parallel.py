@@ -20,7 +20,16 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["LAYOUTS", "MeshShape", "build_mesh", "data_parallel", "demo_shape", "device_type", "shard_model"]
+__all__ = [
+    "LAYOUTS",
+    "MeshShape",
+    "build_mesh",
+    "data_parallel",
+    "demo_shape",
+    "device_type",
+    "layout_problem",
+    "shard_model",
+]
 
 LAYOUTS = ("fsdp", "hsdp", "fsdp-tp")
 
@@ -68,6 +77,23 @@ def demo_shape(layout: str, world: int) -> MeshShape:
         tp = 2 if world % 2 == 0 else 1
         return MeshShape(dp=world // tp, tp=tp)
     raise ValueError(f"layout should be one of {LAYOUTS} but is: {layout!r}")
+
+
+def layout_problem(layout: str, world: int) -> str | None:
+    """Why ``layout`` on ``world`` ranks would silently be another layout (the demo refuses it), or
+    None. HSDP needs 2 replica groups of at least 2 shards; FSDP x TP needs tp=2."""
+    if layout == "hsdp" and (world < 4 or world % 2):
+        return (
+            f"--layout hsdp needs an even --world-size of at least 4 (2 replica groups of at least 2 shards), "
+            f"but --world-size is {world}: that would be replicate=1, plain FSDP. Use --world-size 4 "
+            f"(or 6, 8, ...), or --layout fsdp for {world} rank(s)"
+        )
+    if layout == "fsdp-tp" and world % 2:
+        return (
+            f"--layout fsdp-tp needs an even --world-size (tensor parallel over 2 ranks), but --world-size is "
+            f"{world}: that would be tp=1, plain FSDP. Use --world-size {world + 1}, or --layout fsdp"
+        )
+    return None
 
 
 def device_type() -> str:

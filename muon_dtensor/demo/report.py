@@ -17,11 +17,12 @@ __all__ = [
     "TOLERANCE",
     "Outcome",
     "checkpoint_table",
-    "contrast_table",
+    "lessons",
     "ranks",
     "largest_difference",
     "plot",
     "step_table",
+    "twin_table",
     "verdict",
 ]
 
@@ -53,6 +54,10 @@ class Outcome:
     def difference(self, step: int) -> float:
         return largest_difference(self.straight["params"][step], self.resumed["params"][step])
 
+    def left_twin_at(self) -> int | None:
+        """The first step at which the resumed run's parameters differ from its twin's, or None."""
+        return next((s for s in sorted(self.resumed["params"]) if self.difference(s) > 0), None)
+
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[name] - b[name]).abs().max()) for name in a)
@@ -73,7 +78,7 @@ def _rows(first: int, last: int, most: int = 12) -> list[int]:
 
 def step_table(outcome: Outcome, world: int, resume_world: int) -> str:
     head = (
-        f"| step | loss, uninterrupted ({ranks(world)}) | loss, resumed ({ranks(resume_world)}) "
+        f"| step | loss, uninterrupted twin ({ranks(world)}) | loss, resumed ({ranks(resume_world)}) "
         "| largest parameter difference |\n|---:|---:|---:|---:|"
     )
     lines = [head]
@@ -103,7 +108,16 @@ def checkpoint_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def contrast_table(ours: Outcome, theirs: Outcome, ours_bytes: int, theirs_bytes: int) -> str:
+def _left(outcome: Outcome) -> str:
+    step = outcome.left_twin_at()
+    if step is None:
+        return f"never: bitwise equal through step {outcome.last}"
+    first = " (the first step after the resume)" if step == outcome.save_at + 1 else ""
+    return f"at step {step}{first}, by {_fmt_diff(outcome.difference(step))}"
+
+
+def twin_table(ours: Outcome, theirs: Outcome, ours_bytes: int, theirs_bytes: int) -> str:
+    """Each optimizer's resumed run against its own uninterrupted twin, side by side."""
     last = ours.last
     rows = [
         (
@@ -116,26 +130,63 @@ def contrast_table(ours: Outcome, theirs: Outcome, ours_bytes: int, theirs_bytes
             "{} of {}".format(*ours.resumed["kept"]),
             "{} of {}".format(*theirs.resumed["kept"]),
         ),
+        ("resumed run leaves its twin", _left(ours), _left(theirs)),
         (
-            f"loss at step {last}, uninterrupted",
-            f"{ours.straight['losses'][last]:.4f}",
-            f"{theirs.straight['losses'][last]:.4f}",
-        ),
-        (
-            f"loss at step {last}, resumed",
-            f"{ours.resumed['losses'][last]:.4f}",
-            f"{theirs.resumed['losses'][last]:.4f}",
-        ),
-        (
-            f"largest parameter difference at step {last}",
+            f"largest parameter difference from its twin at step {last}",
             _fmt_diff(ours.difference(last)),
             _fmt_diff(theirs.difference(last)),
         ),
+        (f"loss at step {last}: twin, resumed", _losses(ours, last), _losses(theirs, last)),
     ]
     return "\n".join(
-        ["| | muon_dtensor | round-robin Muon |", "|---|---|---|"]
+        [
+            "| each resumed run against its own uninterrupted twin | muon_dtensor | round-robin Muon |",
+            "|---|---|---|",
+        ]
         + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     )
+
+
+def _losses(outcome: Outcome, step: int) -> str:
+    return f"{outcome.straight['losses'][step]:.4f}, {outcome.resumed['losses'][step]:.4f}"
+
+
+def lessons(ours: Outcome, theirs: Outcome, world: int, resume_world: int) -> list[str]:
+    """What an exact resume buys, in the terms of these runs: reproducibility, debuggability, and
+    why the round-robin run's loss says nothing. One line each."""
+    last, left = ours.last, theirs.left_twin_at()
+    probe = (ours.crash_at + last + 1) // 2  # a step after the crash, where a fault might be chased
+    gone = f"another run from step {left} on" if left is not None else "its twin (it lost nothing)"
+    exact = ours.left_twin_at() is None
+    if exact:
+        ours_is = (
+            f"its twin bit for bit (here on {ranks(resume_world)}, the twin on {world}): a crash leaves no trace in "
+            "the numbers"
+        )
+        replay = f"(here on {ranks(resume_world)}) and shows up again at step {probe}, bit for bit"
+    else:
+        ours_is = (
+            f"within float rounding of its twin (parameter difference {_fmt_diff(ours.difference(last))} at step {last}: "
+            f"{ranks(resume_world)} sum in another order than {world}); on the same world size, its twin bit for bit"
+        )
+        replay = (
+            f"and shows up again at step {probe}: bit for bit on the same world size, here on "
+            f"{ranks(resume_world)} within {_fmt_diff(ours.difference(probe))}"
+        )
+    return [
+        f"- reproducible: muon_dtensor's resumed run is {ours_is}. Round-robin's resumed run is {gone}.",
+        f"- debuggable: a loss spike or NaN at step {probe} replays from the step-{ours.save_at} checkpoint {replay}; "
+        "after round-robin's resume the replay is not the run that failed (parameters "
+        f"{_fmt_diff(theirs.difference(probe))} apart by step {probe}).",
+        f"- why round-robin's {_versus(theirs, last)} loss says nothing: losing momentum changed the recipe mid-run, "
+        f"and which recipe is ahead after {last} steps of a toy model predicts nothing about a real run; a resume "
+        "must continue the run you chose.",
+    ]
+
+
+def _versus(outcome: Outcome, step: int) -> str:
+    twin, resumed = outcome.straight["losses"][step], outcome.resumed["losses"][step]
+    return "lower" if resumed < twin else "higher" if resumed > twin else "equal"
 
 
 def verdict(
@@ -149,11 +200,9 @@ def verdict(
     tracks, fell = gap <= tolerance, final < 0.9 * first
     if tracks:
         how = "bitwise equal" if gap == 0 else f"tolerance {tolerance:.0e}"
-        track = f"tracks the uninterrupted one within float tolerance (largest parameter difference {_fmt_diff(gap)}, {how})"
+        track = f"tracks its uninterrupted twin within float tolerance (largest parameter difference {_fmt_diff(gap)}, {how})"
     else:
-        track = (
-            f"does NOT track the uninterrupted one (largest parameter difference {gap:.1e} > {tolerance:.0e})"
-        )
+        track = f"does NOT track its uninterrupted twin (largest parameter difference {gap:.1e} > {tolerance:.0e})"
     parts = [
         f"resumed on {ranks(resume_world)} from a {world}-rank checkpoint, the run {track}",
         f"{kept} of {total} momentum buffers restored",
@@ -165,12 +214,29 @@ def verdict(
 
 def _loss_panel(axis: Any, name: str, outcome: Outcome, color: str) -> None:
     steps = sorted(outcome.straight["losses"])
-    axis.plot(steps, [outcome.straight["losses"][s] for s in steps], color="black", label="uninterrupted")
+    axis.plot(
+        steps, [outcome.straight["losses"][s] for s in steps], color="black", label="uninterrupted twin"
+    )
     resumed = sorted(outcome.resumed["losses"])
     losses = [outcome.resumed["losses"][s] for s in resumed]
-    axis.plot(resumed, losses, "--", color=color, linewidth=2, label="crashed and resumed")
-    axis.set_title(f"{name}: training loss")
-    axis.set_ylabel("loss")
+    axis.plot(resumed, losses, "--", color=color, linewidth=2, label="killed and resumed")
+    axis.set_title(f"{name}: resumed run and its twin")
+    axis.set_ylabel("training loss")
+
+
+FLOOR = 1e-9  # where a difference of 0 (bitwise equal) is drawn on the log axis
+
+
+def _difference_panel(axis: Any, runs: tuple[tuple[str, Outcome, str], ...]) -> None:
+    for name, outcome, color in runs:
+        after = sorted(outcome.resumed["params"])
+        diffs = [outcome.difference(s) for s in after]
+        label = f"{name} (0: bitwise equal)" if not any(diffs) else name
+        axis.plot(after, [max(d, FLOOR) for d in diffs], "o-", color=color, label=label)
+    axis.set_yscale("log")
+    axis.set_ylim(FLOOR / 10, 1)
+    axis.set_title("resumed run vs its twin: parameters")
+    axis.set_ylabel("largest parameter difference\n(log scale; 0 drawn at 1e-9)")
 
 
 def plot(ours: Outcome, theirs: Outcome, path: Path) -> Path | None:
@@ -183,23 +249,16 @@ def plot(ours: Outcome, theirs: Outcome, path: Path) -> Path | None:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), layout="constrained")
     runs = (("muon_dtensor", ours, "tab:blue"), ("round-robin Muon", theirs, "tab:red"))
     for axis, (name, outcome, color) in zip(axes[:2], runs, strict=True):
         _loss_panel(axis, name, outcome, color)
-    for name, outcome, color in runs:
-        after = sorted(outcome.resumed["params"])
-        # log scale: a bitwise-equal run (difference 0) is drawn at 1e-9
-        axes[2].plot(after, [max(outcome.difference(s), 1e-9) for s in after], "o-", color=color, label=name)
-    axes[2].set_yscale("log")
-    axes[2].set_title("resumed vs uninterrupted: largest parameter difference")
-    axes[2].set_ylabel("(0 drawn at 1e-9)")
+    _difference_panel(axes[2], runs)
     for axis in axes:
         axis.axvline(ours.save_at, color="gray", linestyle=":", label="checkpoint")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_xlabel("step")
         axis.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

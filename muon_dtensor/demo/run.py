@@ -14,11 +14,13 @@ import argparse
 import json
 import math
 import os
+import platform
 import shutil
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +29,7 @@ from muon_dtensor.demo.launch import RankError, run_ranks
 
 from . import report
 from .model import ModelConfig, TinyLM
-from .parallel import LAYOUTS, demo_shape
+from .parallel import LAYOUTS, demo_shape, layout_problem
 from .progress import Progress
 from .train import CRASHED, RunSpec, train
 
@@ -46,7 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="ranks of the first run (default 2)")
     p.add_argument("--resume-world-size", type=int, default=1, help="ranks of the resumed run (default 1)")
     p.add_argument("--steps", type=int, default=40, help="training steps; checkpoint at half (default 40)")
-    p.add_argument("--layout", choices=LAYOUTS, default="fsdp", help="mesh layout (default fsdp)")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="fsdp",
+        help="mesh layout (default fsdp); hsdp needs an even --world-size of at least 4, fsdp-tp an even one",
+    )
     p.add_argument(
         "--tolerance",
         type=float,
@@ -66,7 +73,7 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("world_size", "resume_world_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} should be at least 1 but is {getattr(args, name)}"
-    return None
+    return layout_problem(args.layout, args.world_size)
 
 
 def _base(args: argparse.Namespace, optimizer: str) -> RunSpec:
@@ -136,21 +143,20 @@ def _header(args: argparse.Namespace) -> str:
     count = sum(p.numel() for p in TinyLM(cfg).parameters())
     backend = _backend(args)
     shape = demo_shape(args.layout, args.world_size).describe()
+    resumed = demo_shape(args.layout, args.resume_world_size).describe()
     return (
         f"muon_dtensor demo: a {cfg.layers}-layer transformer LM (dim {cfg.dim}, {count:,} parameters) on a "
         f"generated corpus, {args.steps} steps, {shape}, {backend}.\nOne optimizer: muon_dtensor.Muon for "
         "hidden matrices + AdamW for embeddings, norms and head. Checkpoint at step "
-        f"{args.steps // 2}, every rank killed 2 steps later, resumed on {report.ranks(args.resume_world_size)}.\n"
+        f"{args.steps // 2}, every rank killed 2 steps later, resumed on {report.ranks(args.resume_world_size)} "
+        f"({resumed}).\nEach resumed run is compared with its uninterrupted twin: the same optimizer, data and "
+        "seed, never killed. A resume is exact when the resumed run is its twin.\n"
     )
 
 
 def _show_ours(args: argparse.Namespace, ours: report.Outcome) -> bool:
     w, r = args.world_size, args.resume_world_size
-    print(
-        f"\nmuon_dtensor: uninterrupted on {report.ranks(w)} vs killed after step {ours.crash_at} and resumed "
-        f"on {report.ranks(r)} from the checkpoint of step {ours.save_at}:\n"
-    )
-    print(report.step_table(ours, w, r))
+    _show_steps(args, "muon_dtensor", ours)
     folder = _step_folder(args, ours.save_at)
     print(f"\ncheckpoint {folder} (model + optimizer state, each rank wrote its own shards):\n")
     print(report.checkpoint_table(folder))
@@ -159,20 +165,32 @@ def _show_ours(args: argparse.Namespace, ours: report.Outcome) -> bool:
     return ok
 
 
+def _show_steps(args: argparse.Namespace, name: str, outcome: report.Outcome) -> None:
+    w, r = args.world_size, args.resume_world_size
+    print(
+        f"\n{name}: killed after step {outcome.crash_at} and resumed on {report.ranks(r)} from the checkpoint of "
+        f"step {outcome.save_at}, against its uninterrupted twin on {report.ranks(w)}:\n"
+    )
+    print(report.step_table(outcome, w, r))
+
+
 def _step_folder(args: argparse.Namespace, step: int) -> Path:
     return step_dir(args.out / "checkpoints" / "muon_dtensor", step)
 
 
-def _show_contrast(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome) -> None:
+def _show_twins(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome) -> None:
+    _show_steps(args, "round-robin Muon", theirs)
     ours_bytes = sum(f.stat().st_size for f in _step_folder(args, ours.save_at).iterdir())
     theirs_file = sorted(Path(args.out, "checkpoints", "round_robin").glob("*.pt"))[-1]
-    print("\n" + report.contrast_table(ours, theirs, ours_bytes, theirs_file.stat().st_size))
     kept, total = theirs.resumed["kept"]
     print(
         f"\nround-robin Muon: {total - kept} of {total} momentum buffers lost (only rank 0's matrices were in "
-        "its optimizer.state_dict()),\nso the resumed run left the uninterrupted trajectory: largest parameter "
-        f"difference {theirs.difference(theirs.last):.1e} at step {theirs.last}."
+        "its optimizer.state_dict()),\nso its resumed run left its own uninterrupted trajectory.\n"
     )
+    print(report.twin_table(ours, theirs, ours_bytes, theirs_file.stat().st_size))
+    print("\nWhat an exact resume is for:")
+    for line in report.lessons(ours, theirs, args.world_size, args.resume_world_size):
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,24 +210,76 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     theirs = _scenario(args, "round_robin", 4)
-    _show_contrast(args, ours, theirs)
-    _write(args, ours, theirs)
-    print(f"\ndone in {time.perf_counter() - start:.0f} s")
+    _show_twins(args, ours, theirs)
+    seconds = time.perf_counter() - start
+    _write(args, ours, theirs, seconds)
+    print(f"\ndone in {seconds:.0f} s")
     return 0 if ok else 1
 
 
-def _write(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome) -> None:
-    results = {
-        name: {
-            "losses_uninterrupted": o.straight["losses"],
-            "losses_resumed": o.resumed["losses"],
-            "largest_parameter_difference": {s: o.difference(s) for s in sorted(o.resumed["params"])},
-            "momentum_buffers_restored": list(o.resumed["kept"]),
-        }
-        for name, o in (("muon_dtensor", ours), ("round_robin", theirs))
+def _cpu() -> tuple[str, set[str]]:
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return name, flags
+
+
+def environment() -> dict[str, Any]:
+    """Where the demo ran. Its figures depend on it: bfloat16 matrix products round differently on
+    CPUs with and without native bfloat16 instructions (avx512_bf16, amx_bf16) and on GPUs."""
+    cpu, flags = _cpu()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as JSON values of their own types (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def _summary(outcome: report.Outcome) -> dict[str, Any]:
+    return {
+        "losses_uninterrupted": outcome.straight["losses"],
+        "losses_resumed": outcome.resumed["losses"],
+        "largest_parameter_difference": {s: outcome.difference(s) for s in sorted(outcome.resumed["params"])},
+        "momentum_buffers_restored": list(outcome.resumed["kept"]),
+        "left_twin_at": outcome.left_twin_at(),
+        "save_at": outcome.save_at,
+        "crash_at": outcome.crash_at,
+    }
+
+
+def results(
+    args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome, seconds: float
+) -> dict[str, Any]:
+    """What ``results.json`` holds: typed arguments, where it ran, and each optimizer's runs."""
+    return {
+        "args": args_json(args),
+        "environment": environment(),
+        "seconds": round(seconds, 1),
+        "muon_dtensor": _summary(ours),
+        "round_robin": _summary(theirs),
+    }
+
+
+def _write(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome, seconds: float) -> None:
     path = args.out / "results.json"
-    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+    path.write_text(json.dumps(results(args, ours, theirs, seconds), indent=1))
     png = report.plot(ours, theirs, args.out / "loss.png")
     if png is None:
         print(
