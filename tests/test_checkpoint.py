@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
-from muon_dtensor.demo.launch import RankError
-from tests.distributed import run_ranks
-from tests.workers_ckpt import (
-    bytes_per_rank,
-    crash_during_save,
-    load_expecting_error,
-    resume_and_finish,
-    save_after,
-    uninterrupted,
-)
+from muon_dtensor import Muon, split_params
+from muon_dtensor.demo.launch import run_ranks as run_fresh
+from tests.models import Net, build, fsdp, full, model_grads, step_together
+from tests.ranks import RankError, run_ranks
 
 TOTAL, SPLIT = 5, 2
+RANKS = {"fsdp1": 1, "fsdp2": 2, "fsdp4": 4, "hsdp": 4}
+Saved = Callable[[str], tuple[str, dict[str, torch.Tensor]]]  # layout -> (root, state saved there)
 
 
-def _ranks(layout: str) -> int:
-    return {"fsdp1": 1, "fsdp2": 2, "fsdp4": 4, "hsdp": 4}[layout]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    """layout -> (root, state at SPLIT) of an FSDP checkpoint saved at step SPLIT on that many ranks.
+    Each layout's checkpoint is saved once and shared by the tests that only read it."""
+    cache: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+
+    def get(layout: str) -> tuple[str, dict[str, torch.Tensor]]:
+        if layout not in cache:
+            root = str(tmp_path_factory.mktemp(f"saved_{layout}"))
+            cache[layout] = (root, run_ranks(save_after, RANKS[layout], "fsdp", root, SPLIT)[0])
+        return cache[layout]
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -35,18 +55,17 @@ def _ranks(layout: str) -> int:
         ("fsdp4", "hsdp"),
     ],
 )
-def test_resume_on_any_layout(saved_on: str, resumed_on: str, tmp_path) -> None:
+def test_resume_on_any_layout(saved: Saved, saved_on: str, resumed_on: str) -> None:
     """Gradients here are the same full tensors on every layout, so every run is bitwise the
     one-process run: momentum after load equals the saved momentum bitwise, AdamW step counters
     survive, and the resumed run ends bitwise where the uninterrupted one ends."""
-    root = str(tmp_path)
-    saved = run_ranks(save_after, _ranks(saved_on), saved_on.rstrip("124") or "fsdp", root, SPLIT)[0]
+    root, state = saved(saved_on)
     layout = "hsdp" if resumed_on == "hsdp" else "fsdp"
-    resumed = run_ranks(resume_and_finish, _ranks(resumed_on), layout, root, TOTAL)
+    resumed = run_ranks(resume_and_finish, RANKS[resumed_on], layout, root, TOTAL)
     reference = uninterrupted(TOTAL)
     for rank, r in enumerate(resumed):
         assert r["extra"] == {"step": SPLIT, "data_position": SPLIT * 8}
-        for key, value in saved.items():
+        for key, value in state.items():
             assert torch.equal(r["loaded"][key], value), f"rank {rank}: {key} changed by save/load"
         assert any(k.startswith("step:") and int(v) == SPLIT for k, v in r["loaded"].items())
         for key, value in reference.items():
@@ -54,7 +73,7 @@ def test_resume_on_any_layout(saved_on: str, resumed_on: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_each_rank_writes_only_its_shards(world_size: int, tmp_path) -> None:
+def test_each_rank_writes_only_its_shards(world_size: int, tmp_path: Path) -> None:
     results = run_ranks(bytes_per_rank, world_size, str(tmp_path / "c"))
     total = sum(r["file_bytes"] for r in results)
     for rank, r in enumerate(results):
@@ -62,32 +81,28 @@ def test_each_rank_writes_only_its_shards(world_size: int, tmp_path) -> None:
         assert r["file_bytes"] >= r["local_state_bytes"]
 
 
-def test_crash_during_save_keeps_previous_checkpoint(tmp_path) -> None:
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    """Fresh processes: a rank leaves through os._exit in the middle of a save."""
     root = str(tmp_path)
     with pytest.raises(RankError):
-        run_ranks(crash_during_save, 2, root, timeout=40)
+        run_fresh(crash_during_save, 2, root, timeout=40)
     assert ckpt.complete_steps(root) == [2]
     assert (tmp_path / ".tmp_step_00000004").exists()  # the half-written save, never picked
     resumed = run_ranks(resume_and_finish, 2, "fsdp", root, 3)
     assert resumed[0]["extra"]["step"] == 2
 
 
-def _saved(tmp_path, world_size: int = 2) -> str:
-    root = str(tmp_path / "ck")
-    run_ranks(save_after, world_size, "fsdp", root, 1)
-    return root
-
-
-def test_corrupted_and_truncated_files_are_named(tmp_path) -> None:
-    root = _saved(tmp_path)
-    shard = tmp_path / "ck" / "step_00000001" / "__1_0.distcp"
+def test_corrupted_and_truncated_files_are_named(saved: Saved, tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(saved("fsdp2")[0], root)  # a private copy to damage
+    shard = root / f"step_{SPLIT:08d}" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
     shard.write_bytes(bytes(data))
-    for kind, message, untouched in run_ranks(load_expecting_error, 2, root, "same"):
+    for kind, message, untouched in run_ranks(load_expecting_error, 2, str(root), "same"):
         assert kind == "CheckpointError" and "__1_0.distcp: checksum mismatch" in message and untouched
     shard.write_bytes(bytes(data[:100]))
-    for kind, message, _ in run_ranks(load_expecting_error, 2, root, "same"):
+    for kind, message, _ in run_ranks(load_expecting_error, 2, str(root), "same"):
         assert kind == "CheckpointError" and "__1_0.distcp: 100 bytes" in message
 
 
@@ -102,18 +117,15 @@ def test_corrupted_and_truncated_files_are_named(tmp_path) -> None:
         ("groups", r"Missing from the checkpoint: .*exp_avg"),
     ],
 )
-def test_incompatible_checkpoint_loads_nothing(kind: str, pattern: str, tmp_path) -> None:
-    root = _saved(tmp_path)
+def test_incompatible_checkpoint_loads_nothing(saved: Saved, kind: str, pattern: str) -> None:
+    root = saved("fsdp2")[0]
     for rank, (error, message, untouched) in enumerate(run_ranks(load_expecting_error, 2, root, kind)):
         assert error == "CheckpointError", (rank, error, message)
-        assert __import__("re").search(pattern, message), message
+        assert re.search(pattern, message), message
         assert untouched, f"rank {rank}: the model changed although the load was refused"
 
 
-def test_keep_last_and_never_overwrite(tmp_path) -> None:
-    from muon_dtensor import Muon, split_params
-    from tests.workers_fsdp import build
-
+def test_keep_last_and_never_overwrite(tmp_path: Path) -> None:
     model = build(None)
     opt = Muon(split_params(model))
     for step in (1, 2, 3, 4):
@@ -124,17 +136,12 @@ def test_keep_last_and_never_overwrite(tmp_path) -> None:
     assert ckpt.load_checkpoint(tmp_path / "empty", model, opt) is None
 
 
-def test_async_save_while_training(tmp_path) -> None:
-    from tests.workers_ckpt import async_save_while_training
-
+def test_async_save_while_training(tmp_path: Path) -> None:
     assert run_ranks(async_save_while_training, 2, str(tmp_path)) == [True, True]
 
 
-def test_checkpoint_at_step_zero(tmp_path) -> None:
+def test_checkpoint_at_step_zero(tmp_path: Path) -> None:
     """State exists before the first step, so a step-0 checkpoint is complete and loads."""
-    from muon_dtensor import Muon, split_params
-    from tests.workers_fsdp import build
-
     model = build(None)
     opt = Muon(split_params(model))
     ckpt.save_checkpoint(tmp_path, 0, model, opt)
@@ -144,3 +151,135 @@ def test_checkpoint_at_step_zero(tmp_path) -> None:
     for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(p, q)
         assert set(opt.state[p]) == set(fresh_opt.state[q])
+
+
+# Rank functions (run by tests.ranks in every rank of the pool; crash_during_save in fresh ranks).
+
+
+def _mesh_shape(layout: str) -> tuple[int, ...]:
+    world = dist.get_world_size()
+    return (2, world // 2) if layout == "hsdp" else (world,)
+
+
+def _run(model: nn.Module, opt: Muon, steps: range) -> None:
+    """Steps with synthetic full gradients that do not depend on the layout."""
+    step_together([(list(model.parameters()), opt)], model_grads(model, 100), steps)
+
+
+def _snapshot(model: nn.Module, opt: Muon) -> dict[str, torch.Tensor]:
+    out = {f"param:{n}": full(p.detach()).clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for key, value in opt.state[p].items():
+            out[f"{key}:{n}"] = full(value).clone()
+    return out
+
+
+def save_after(layout: str, root: str, steps: int) -> dict[str, torch.Tensor]:
+    model = build(_mesh_shape(layout))
+    opt = Muon(split_params(model), lr=0.02)
+    _run(model, opt, range(steps))
+    ckpt.save_checkpoint(root, steps, model, opt, extra={"data_position": steps * 8})
+    return _snapshot(model, opt)
+
+
+def resume_and_finish(layout: str, root: str, total: int) -> dict[str, Any]:
+    model = build(_mesh_shape(layout), seed=7)  # other initial values: the load must replace them
+    opt = Muon(split_params(model), lr=0.02)
+    extra = ckpt.load_checkpoint(root, model, opt)
+    assert extra is not None, f"no checkpoint in {root}"
+    loaded = _snapshot(model, opt)
+    _run(model, opt, range(extra["step"], total))
+    return {"extra": extra, "loaded": loaded, "final": _snapshot(model, opt)}
+
+
+def uninterrupted(total: int) -> dict[str, torch.Tensor]:
+    model = build(None)
+    opt = Muon(split_params(model), lr=0.02)
+    _run(model, opt, range(total))
+    return _snapshot(model, opt)
+
+
+def bytes_per_rank(root: str) -> dict[str, int]:
+    """Save Muon state of 256x256 matrices (plus a 3-row one) and report this rank's file bytes."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(6)), nn.Linear(256, 3, bias=False))
+    for i, layer in enumerate(model):
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+        model[i] = layer
+    opt = Muon(model.named_parameters())
+    _, optim_sd = get_state_dict(model, opt)
+    dcp.save({"optim": optim_sd}, checkpoint_id=root)
+    rank = dist.get_rank()
+    mine = sum(p.stat().st_size for p in Path(root).glob(f"__{rank}_*.distcp"))
+    state = sum(
+        v.to_local().numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, DTensor)
+    )
+    return {"file_bytes": mine, "local_state_bytes": state}
+
+
+def crash_during_save(root: str) -> None:
+    """Step 2 is saved normally; rank 1 dies while step 4 is being written (after its shards are
+    on disk, before the checkpoint is published)."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+    _run(model, opt, range(2))
+    ckpt.save_checkpoint(root, 2, model, opt)
+    _run(model, opt, range(2, 4))
+    if dist.get_rank() == 1:
+
+        def die(path: Path) -> dict[str, int]:
+            os._exit(17)
+
+        ckpt.helpers.file_record = die  # type: ignore[assignment]
+    ckpt.save_checkpoint(root, 4, model, opt)
+
+
+def _incompatible(kind: str) -> nn.Module:
+    """A model that ``kind`` makes unlike the saved one ("same": the saved model itself)."""
+    torch.manual_seed(3)
+    if kind == "other_model":
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    if kind == "shape":
+        model = Net()
+        model.layers[3] = nn.Linear(24, 25)  # 25 rows where 24 were saved
+        return fsdp(model, (dist.get_world_size(),))
+    return build((dist.get_world_size(),))
+
+
+def load_expecting_error(root: str, kind: str) -> tuple[str, str, bool]:
+    """Load into a model that ``kind`` makes incompatible; report the error and whether the model
+    was left untouched."""
+    model = _incompatible(kind)
+    groups = split_params(model)
+    if kind == "groups":
+        groups = [{"params": [(n, p) for g in groups for n, p in g["params"]], "algorithm": "adamw"}]
+    opt = Muon(groups, lr=0.02)
+    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    try:
+        ckpt.load_checkpoint(root, model, opt)
+    except Exception as e:  # noqa: BLE001
+        after = {n: full(p.detach()) for n, p in model.named_parameters()}
+        untouched = all(torch.equal(before[n], after[n]) for n in before)
+        return type(e).__name__, str(e), untouched
+    return "none", "", True
+
+
+def async_save_while_training(root: str) -> bool:
+    """Start an async save at step 2, train two more steps while it runs, then check that the
+    published checkpoint holds step 2's state exactly."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+    _run(model, opt, range(2))
+    at_two = _snapshot(model, opt)
+    pending = ckpt.async_save_checkpoint(root, 2, model, opt)
+    _run(model, opt, range(2, 4))
+    pending.wait()
+    fresh = build((dist.get_world_size(),), seed=4)
+    fresh_opt = Muon(split_params(fresh), lr=0.02)
+    ckpt.load_checkpoint(root, fresh, fresh_opt)
+    loaded = _snapshot(fresh, fresh_opt)
+    return all(torch.equal(loaded[k], v) for k, v in at_two.items())

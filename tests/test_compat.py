@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from muon_dtensor import Muon, split_params
-from tests.distributed import run_ranks
-from tests.workers_ckpt import state_init_through_dcp
+from tests.models import build, full
+from tests.ranks import run_ranks
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -25,7 +29,7 @@ def _torch_pair(model: nn.Module) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
     return muon, adamw
 
 
-def _train(model: nn.Module, optimizers: list, steps: int = 3) -> None:
+def _train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int = 3) -> None:
     for step in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         for o in optimizers:
@@ -35,12 +39,12 @@ def _train(model: nn.Module, optimizers: list, steps: int = 3) -> None:
             o.step()
 
 
-def _save(path, model, optimizers) -> None:
+def _save(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizers)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=True)
 
 
-def _load(path, model, optimizers) -> None:
+def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     planner = DefaultLoadPlanner(allow_partial_load=True)
@@ -48,7 +52,7 @@ def _load(path, model, optimizers) -> None:
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _states(model: nn.Module, optimizers) -> dict[str, torch.Tensor]:
+def _states(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
     out = {}
     for o in optimizers:
         for name, p in model.named_parameters():
@@ -57,7 +61,7 @@ def _states(model: nn.Module, optimizers) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_torch_checkpoint_loads_into_muon_dtensor_and_back(tmp_path) -> None:
+def test_torch_checkpoint_loads_into_muon_dtensor_and_back(tmp_path: Path) -> None:
     model = _model()
     theirs = list(_torch_pair(model))
     _train(model, theirs)
@@ -79,7 +83,7 @@ def test_torch_checkpoint_loads_into_muon_dtensor_and_back(tmp_path) -> None:
     assert again.keys() == expected.keys() and all(torch.equal(again[k], expected[k]) for k in expected)
 
 
-def test_momentum_dtype_is_the_parameter_dtype_before_and_after_load(tmp_path) -> None:
+def test_momentum_dtype_is_the_parameter_dtype_before_and_after_load(tmp_path: Path) -> None:
     """Policy (as torch.optim.Muon): momentum is kept in the parameter's dtype, so DCP's cast to the
     parameter dtype on load changes nothing; a bf16 parameter has bf16 momentum."""
     model = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
@@ -97,7 +101,28 @@ def test_momentum_dtype_is_the_parameter_dtype_before_and_after_load(tmp_path) -
 
 
 def test_dcp_state_init_step_is_collective_safe() -> None:
-    for r in run_ranks(state_init_through_dcp, 2):
+    for r in run_ranks(state_init_through_dcp, 2, timeout=60):
         assert r["unchanged"] and r["lr_restored"]
         assert r["params_with_state"] == r["params"]
         assert r["keys"] == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
+
+
+# Rank function (run by tests.ranks in every rank of the pool).
+
+
+def state_init_through_dcp() -> dict[str, Any]:
+    """DCP's get_state_dict steps an optimizer without state (zero gradients, lr 0): that step must
+    take the same collective path on every rank, change no parameter and create every state key."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+    opt.state.clear()
+    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    _, optim_sd = get_state_dict(model, opt)
+    after = {n: full(p.detach()) for n, p in model.named_parameters()}
+    return {
+        "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+        "keys": sorted({k for s in optim_sd["state"].values() for k in s}),
+        "params_with_state": len(optim_sd["state"]),
+        "params": len(before),
+        "lr_restored": opt.param_groups[0]["lr"] == 0.02,
+    }

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from muon_dtensor.demo.report import Outcome, verdict
@@ -47,7 +48,7 @@ def test_demo_crashes_resumes_on_another_world_size_and_passes(tmp_path: Path) -
     assert ours["losses_resumed"]["12"] == ours["losses_uninterrupted"]["12"]
 
 
-def test_demo_rejects_too_few_steps(capsys) -> None:
+def test_demo_rejects_too_few_steps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--steps", "2"]) == 2
     assert "--steps should be at least 4 but is 2" in capsys.readouterr().err
 

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from tests.distributed import run_ranks
-from tests.workers import exactness
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from muon_dtensor import Muon
+from tests.models import full, step_together
+from tests.ranks import run_ranks
+
+# Uneven rows and columns, fewer rows than ranks (3 and 1 rows at 4 ranks), tall and wide, and
+# several same-shape matrices so owners batch them.
+SHAPES = [(37, 24), (37, 24), (24, 37), (3, 16), (1, 8), (64, 64), (64, 64), (64, 64), (16, 96)]
+ADAMW_SHAPES = [(37,), (10, 8)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -24,3 +37,96 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
             results[0]["fsdp/rounds/bfloat16"]["collectives"]
             > results[0]["fsdp/owner/bfloat16"]["collectives"]
         )
+
+
+# Rank functions (run by tests.ranks in every rank of the pool).
+
+
+def layouts(world_size: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (mesh shape, placements) for every layout that fits ``world_size``."""
+    out: dict[str, tuple[tuple[int, ...], tuple]] = {
+        "fsdp": ((world_size,), (Shard(0),)),
+        "fsdp_dim1": ((world_size,), (Shard(1),)),
+        "replicated": ((world_size,), (Replicate(),)),
+    }
+    if world_size >= 2:
+        out["hsdp"] = ((2, world_size // 2), (Replicate(), Shard(0)))
+        out["hsdp_1x"] = ((1, world_size), (Replicate(), Shard(0)))
+    return out
+
+
+def _groups(params: list[nn.Parameter], **muon_kwargs: Any) -> list[dict[str, Any]]:
+    n = len(SHAPES)
+    return [
+        {"params": params[:n], **muon_kwargs},
+        {"params": params[n:], "algorithm": "adamw", "lr": 3e-3, "weight_decay": 0.05},
+    ]
+
+
+def _fit(placements: tuple, ndim: int) -> tuple:
+    """Shard a 1-D tensor on dim 0 where the layout shards matrices on dim 1."""
+    return tuple(Shard(0) if isinstance(p, Shard) and p.dim >= ndim else p for p in placements)
+
+
+def _tensors(steps: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Initial values, then full gradients for each step."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = SHAPES + ADAMW_SHAPES
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    return params, grads
+
+
+def run_steps(
+    mesh_shape: tuple[int, ...] | None, placements: tuple, steps: int, **muon_kwargs: Any
+) -> tuple[list[nn.Parameter], list[torch.Tensor], Muon]:
+    """Parameters, momenta and optimizer after ``steps`` steps, sharded on the layout or (mesh_shape
+    None) on plain tensors in one process; every step gets the same full gradients either way."""
+    fulls, draws = _tensors(steps)
+    if mesh_shape is None:
+        params = [nn.Parameter(f.clone()) for f in fulls]
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        params = [nn.Parameter(distribute_tensor(f.clone(), mesh, _fit(placements, f.ndim))) for f in fulls]
+    opt = Muon(_groups(params, **muon_kwargs), lr=0.02)
+    step_together([(params, opt)], lambda step: draws[step], range(steps))
+    bufs = [opt.state[p]["momentum_buffer"] for p in params[: len(SHAPES)]]
+    return params, bufs, opt
+
+
+def _mismatches(sharded: list[torch.Tensor], reference: list[torch.Tensor]) -> list[int]:
+    """Indices whose full tensor differs from the reference in any bit."""
+    return [i for i, (d, r) in enumerate(zip(sharded, reference)) if not torch.equal(full(d), r)]
+
+
+def _modes(ns_dtype: torch.dtype) -> dict[str, dict[str, Any]]:
+    """Step modes to check; "rounds" is owner mode pipelined over many small exchange rounds."""
+    if ns_dtype == torch.float32:
+        return {"owner": {"mode": "owner"}}
+    return {
+        "owner": {"mode": "owner"},
+        "gather": {"mode": "gather"},
+        "rounds": {"mode": "owner", "max_round_bytes": 6000},
+    }
+
+
+def exactness(steps: int = 3) -> dict[str, Any]:
+    """For every layout and both modes: indices of parameters / momenta that differ bitwise from the
+    one-process step, and whether each local momentum is a DTensor like its parameter."""
+    out: dict[str, Any] = {}
+    for ns_dtype in (torch.bfloat16, torch.float32):
+        ref_params, ref_bufs, _ = run_steps(None, (), steps, ns_dtype=ns_dtype)
+        for name, (mesh_shape, placements) in layouts(dist.get_world_size()).items():
+            for mode, extra in _modes(ns_dtype).items():
+                params, bufs, opt = run_steps(mesh_shape, placements, steps, ns_dtype=ns_dtype, **extra)
+                out[f"{name}/{mode}/{str(ns_dtype).removeprefix('torch.')}"] = {
+                    "params": _mismatches(params, [p.detach() for p in ref_params]),
+                    "momentum": _mismatches(bufs, ref_bufs),
+                    "state_like_param": all(
+                        isinstance(b, DTensor) and b.placements == p.placements and b.shape == p.shape
+                        for b, p in zip(bufs, params)
+                    ),
+                    "sent": opt.comm_stats.sent,
+                    "collectives": opt.comm_stats.collectives,
+                }
+    return out

@@ -69,7 +69,9 @@ def test_two_torchrun_agents_train_resume_and_export(tmp_path: Path) -> None:
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest["files"])
     assert manifest["world_size"] == 2 and manifest["extra"]["data_step"] == 4
 
+    # --steps 6 past the first run's 4: the cosine schedule is rebuilt on purpose (--stretch-schedule)
     resume = ["--steps", "6", "--save-every", "2", "--log-every", "1", "--ckpt", str(ckpt), "--resume"]
+    resume.append("--stretch-schedule")
     second = _two_nodes(tmp_path, *resume)
     assert f"resumed from {ckpt / 'step_00000004'} (data position 4)" in second
     assert "step 4/6" not in second and "step 5/6 loss" in second and "step 6/6 loss" in second

@@ -1,21 +1,39 @@
 """A Hugging Face Llama trained with FSDP2 and one muon_dtensor optimizer, saved on 2 ranks and
-resumed on 1, then exported to safetensors that transformers loads offline."""
+resumed on 1, then exported to safetensors that transformers loads offline.
+
+The model is a LlamaForCausalLM from a small config (no download), FSDP2 per decoder layer. Skipped
+where transformers is not installed (the "hf" extra installs it).
+"""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+from typing import Any
 
-from muon_dtensor.checkpoint.safetensors import export_safetensors
-from tests.distributed import run_ranks
-from tests.workers_hf import config, from_safetensors, resume, save_part, uninterrupted
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import muon_dtensor.checkpoint as ckpt  # noqa: E402
+from muon_dtensor import Muon, split_params  # noqa: E402
+from muon_dtensor.checkpoint.safetensors import export_safetensors, load_safetensors  # noqa: E402
+from tests.models import full  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 TOTAL, SPLIT = 6, 3
+BATCH, SEQ = 8, 16
 
 
-def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path) -> None:
+def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
-    straight = run_ranks(uninterrupted, 2, TOTAL, timeout=240)[0]
-    first = run_ranks(save_part, 2, root, SPLIT, timeout=240)[0]
+    straight, first = run_ranks(uninterrupted_and_save_part, 2, root, TOTAL, SPLIT, timeout=240)[0]
     resumed = run_ranks(resume, 1, root, TOTAL, timeout=240)[0]
     assert straight["losses"][-1] < straight["losses"][0]
     assert first["losses"] == straight["losses"][:SPLIT]  # same layout, same data: bitwise
@@ -25,8 +43,6 @@ def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path) -
         assert (resumed["params"][name] - p).abs().max() <= 2e-3, name
 
     # safetensors out: transformers loads it offline and sees the checkpoint's weights.
-    from transformers import LlamaForCausalLM
-
     out = tmp_path / "hf"
     export_safetensors(tmp_path / "ckpt" / f"step_{SPLIT:08d}", out, max_shard_bytes=40_000)
     assert (out / "model.safetensors.index.json").is_file()
@@ -38,3 +54,86 @@ def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path) -
     back = run_ranks(from_safetensors, 2, str(out), timeout=240)[0]
     for name, p in first["params"].items():
         assert torch.equal(back[name], p), name
+
+
+# Rank functions (run by tests.ranks in every rank of the pool).
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def build(seed: int = 0) -> nn.Module:
+    """A Llama from ``seed``, fully_shard per decoder layer over every rank."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config())
+    model.config._attn_implementation = "eager"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def optimizer(model: nn.Module) -> Muon:
+    return Muon(split_params(model, adamw_options={"lr": 3e-3}), lr=0.02)
+
+
+def train(model: nn.Module, opt: Muon, steps: range) -> list[float]:
+    """Real steps on counting sequences; each rank takes its share of the batch; mean loss over ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = BATCH // world
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        start = torch.randint(0, 64, (BATCH, 1), generator=gen)
+        ids = (start + torch.arange(SEQ) * torch.randint(1, 4, (BATCH, 1), generator=gen)) % 64
+        ids = ids[rank * share : (rank + 1) * share]
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+    return losses
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def uninterrupted_and_save_part(root: str, total: int, split: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The uninterrupted run to ``total``, then a second run to ``split`` that saves a checkpoint."""
+    model = build()
+    opt = optimizer(model)
+    straight = {"losses": train(model, opt, range(total)), "params": _weights(model)}
+    model = build()
+    opt = optimizer(model)
+    losses = train(model, opt, range(split))
+    ckpt.save_checkpoint(root, split, model, opt)
+    return straight, {"losses": losses, "params": _weights(model)}
+
+
+def resume(root: str, total: int) -> dict[str, Any]:
+    model = build(seed=5)
+    opt = optimizer(model)
+    step = ckpt.load_checkpoint(root, model, opt)["step"]
+    return {"losses": train(model, opt, range(step, total)), "params": _weights(model)}
+
+
+def from_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    model = build(seed=9)
+    load_safetensors(model, folder)
+    return _weights(model)

@@ -10,8 +10,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from muon_dtensor._sharding.blocks import AxisShard, block_numel, block_shape, shard_blocks
-from muon_dtensor.newton_schulz import ns_flops
 from muon_dtensor._sharding.plan import EVERYONE, MatrixEntry, build_plan
+from muon_dtensor.newton_schulz import ns_flops
 
 # Llama-3-8B hidden matrices: 32 layers of q, o (4096x4096), k, v (1024x4096), gate, up (14336x4096),
 # down (4096x14336) (Meta's params.json: dim 4096, n_kv_heads 8, ffn 14336).
@@ -65,8 +65,9 @@ def test_gather_mode_gives_every_matrix_to_everyone() -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_bytes_sent_match_the_formulas(ranks: int) -> None:
-    """Owner mode sends 2 S (N-1) / N^2 per rank on average, gather mode S (N-1) / N
-    (shared/reference/newton_schulz.md), S the bytes of all matrices."""
+    """Owner mode sends 2 S (N-1) / N^2 per rank on average, gather mode S (N-1) / N, S the bytes of
+    all matrices: an owner gets the (N-1)/N of its 1/N of the matrices that other ranks hold and sends
+    the results back (twice (N-1)/N^2 of S); gathering, a rank receives every piece it does not hold."""
     shapes = [(512, 512)] * 4 * ranks
     entries = _entries(shapes, ranks)
     total = sum(a * b for a, b in shapes) * 2

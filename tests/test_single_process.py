@@ -15,14 +15,14 @@ from muon_dtensor import Muon, split_params
 LR = 0.02
 
 
-def _pair(shapes, seed=0):
+def _pair(shapes: list[tuple[int, ...]], seed: int = 0) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     gen = torch.Generator().manual_seed(seed)
     ours = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     return ours, theirs
 
 
-def _set_grads(a, b, gen):
+def _set_grads(a: list[nn.Parameter], b: list[nn.Parameter], gen: torch.Generator) -> None:
     for p, q in zip(a, b):
         g = torch.randn(p.shape, generator=gen)
         p.grad, q.grad = g.clone(), g.clone()
@@ -30,7 +30,7 @@ def _set_grads(a, b, gen):
 
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_tracks_torch_optim_muon_over_10_steps(adjust_lr_fn, nesterov) -> None:
+def test_tracks_torch_optim_muon_over_10_steps(adjust_lr_fn: str | None, nesterov: bool) -> None:
     """Measured (torch 2.13 CPU): the largest parameter difference after 10 steps at lr 0.02 is
     about 1.2e-4, i.e. a few bfloat16 roundings of the update (lr * 2^-8 = 7.8e-5 each); momentum
     agrees to float32 rounding. The difference comes from our single-rounding elementwise ops (see
@@ -102,7 +102,7 @@ def test_raises_what_torch_optim_muon_raises() -> None:
         ({"mode": "nope"}, "mode should be 'owner' or 'gather'"),
     ],
 )
-def test_bad_hyperparameters(kwargs, message) -> None:
+def test_bad_hyperparameters(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         Muon([nn.Parameter(torch.randn(4, 4))], **kwargs)
 
@@ -157,7 +157,7 @@ def test_closure_scheduler_zero_grad_and_frozen_params() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
 
-    def closure():
+    def closure() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

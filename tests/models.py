@@ -1,0 +1,122 @@
+"""Models and helpers shared by the multi-rank tests: small nets with uneven widths, full tensors, and
+one loop that steps several optimizers with the same full gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.optim import Optimizer
+
+Place = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Net(nn.Module):
+    """Uneven widths; 3 and 1 rows give empty shards at 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 16)
+        self.layers = nn.ModuleList(
+            [nn.Linear(16, 37), nn.Linear(37, 3), nn.Linear(3, 24), nn.Linear(24, 24), nn.Linear(24, 1)]
+        )
+        self.lm_head = nn.Linear(1, 11, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.lm_head(h)
+
+
+def fsdp(model: nn.Module, mesh_shape: tuple[int, ...]) -> nn.Module:
+    """fully_shard each of ``model.layers``, then the root: FSDP on a 1-D mesh, HSDP on a 2-D one."""
+    names = ("dp",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build(mesh_shape: tuple[int, ...] | None, seed: int = 0) -> nn.Module:
+    """A ``Net`` from ``seed``, sharded on ``mesh_shape`` or left whole (None: the one-process run)."""
+    torch.manual_seed(seed)
+    model = Net()
+    return model if mesh_shape is None else fsdp(model, mesh_shape)
+
+
+class MLP(nn.Module):
+    """Uneven widths so TP and FSDP pieces are uneven; ``w3`` has fewer rows than ranks."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 38, 20, 3, 16)) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(widths[0], widths[1], bias=False)  # colwise
+        self.w2 = nn.Linear(widths[1], widths[2], bias=False)  # rowwise
+        self.w3 = nn.Linear(widths[2], widths[3], bias=False)  # colwise
+        self.w4 = nn.Linear(widths[3], widths[4], bias=False)  # rowwise
+        self.norm = nn.LayerNorm(widths[4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.w1, self.w2, self.w3, self.w4):
+            x = torch.tanh(layer(x))
+        return self.norm(x)
+
+
+def shard_mlp(model: nn.Module, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> nn.Module:
+    """TP over the "tp" mesh axis (if any), then fully_shard over the other axes (if any)."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    if "tp" in names:
+        plan = {
+            "w1": ColwiseParallel(),
+            "w2": RowwiseParallel(),
+            "w3": ColwiseParallel(),
+            "w4": RowwiseParallel(),
+        }
+        parallelize_module(model, mesh["tp"], plan)
+    dp = tuple(n for n in names if n != "tp")
+    if dp:
+        fully_shard(model, mesh=mesh[dp] if len(dp) > 1 else mesh[dp[0]])
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from every rank for a DTensor (a collective), else ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def distribute_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A full gradient ``g`` laid out like the parameter ``p``."""
+    return distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+
+
+def random_grads(shapes: Sequence[torch.Size | tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def step_together(
+    runs: Sequence[tuple[Sequence[torch.Tensor], Optimizer]],
+    grads: Callable[[int], Sequence[torch.Tensor]],
+    steps: Iterable[int],
+    place: Place = distribute_like,
+) -> None:
+    """Step every (parameters, optimizer) pair with the same full gradients ``grads(step)``, one per
+    parameter, each laid out like its parameter by ``place``."""
+    for step in steps:
+        full_grads = grads(step)
+        for params, opt in runs:
+            for p, g in zip(params, full_grads, strict=True):
+                p.grad = place(p, g.clone())
+            opt.step()
+
+
+def model_grads(model: nn.Module, offset: int) -> Callable[[int], list[torch.Tensor]]:
+    """Full gradients for ``model``'s parameters at each step, seeded ``offset + step``."""
+    shapes = [p.shape for p in model.parameters()]
+    return lambda step: random_grads(shapes, offset + step)

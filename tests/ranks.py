@@ -1,0 +1,287 @@
+"""A pool of rank processes per world size, kept for the whole pytest session.
+
+``run_ranks(fn, world_size, *args, timeout=...)`` has the signature and the results of
+``muon_dtensor.demo.launch.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
+every rank's return value, or raises ``RankError`` with the failing rank's traceback. The difference is
+that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, each
+worker imports torch and joins a gloo process group once, then loops over tasks (the pattern of torch's
+``MultiProcContinuousTest``). That takes the seconds of start-up and rendezvous off every call.
+
+Safety rules: every call has a deadline; a rank that raises, hangs or dies makes the whole pool be killed
+(a rank that raised may have left the others waiting in a collective) and the next call starts a new one.
+Every task starts from the same RNG state (seed 0, on every rank). Process groups that tasks create (every
+device mesh makes some) stay alive: torch's caches keep equal meshes from earlier calls (destroying the
+groups after each task made a later task get a mesh whose group was gone), so instead a pool whose
+workers hold more than MAX_THREADS threads (gloo keeps threads per group) is retired after the call. A
+worker exits when the session closes its stdin, and dies with pytest (PR_SET_PDEATHSIG) if killed.
+
+Tests that need fresh processes (a rank that calls ``os._exit`` on purpose, patched package internals,
+per-run environment) use ``muon_dtensor.demo.launch.run_ranks`` instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from muon_dtensor.demo.launch import RankError
+
+__all__ = ["RankError", "run_ranks", "shutdown"]
+
+START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
+GRACE = 5.0  # seconds the other ranks get to report once one rank has failed
+MAX_THREADS = 1500  # per worker; about 6 per process group, so a few hundred device meshes
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(*args)`` on every rank of the pooled ``world_size`` group; return each rank's value."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None and not pool.alive():  # a worker died between calls
+        pool.close(kill=True)
+        pool = None
+    pool = _POOLS[world_size] = pool or _Pool(world_size)
+    try:
+        values, threads = pool.run(
+            f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout
+        )
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(kill=True)
+        raise
+    if threads > MAX_THREADS:
+        _POOLS.pop(world_size, None)
+        pool.close()
+    return values
+
+
+def shutdown() -> None:
+    """Stop every pool (the session's end); workers leave their loop when their stdin closes."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _import_root(module: str) -> str:
+    """The folder ``module`` was imported from, so the workers import the same code."""
+    file = sys.modules[module].__file__
+    assert file is not None
+    depth = module.count(".") + (Path(file).name == "__init__.py")
+    return str(Path(file).resolve().parents[depth])
+
+
+class _Pool:
+    """``world_size`` worker processes, one gloo group, task files and result files in one folder."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.folder = Path(tempfile.mkdtemp(prefix=f"muon_dtensor_pool{world_size}_"))
+        self.tasks = itertools.count()
+        roots = [_import_root(__name__), _import_root("muon_dtensor"), os.environ.get("PYTHONPATH")]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
+        }
+        self.logs: list[IO[bytes]] = [open(self.folder / f"stderr{r}", "wb") for r in range(world_size)]  # noqa: SIM115
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", __name__, str(self.folder), str(rank), str(world_size)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self.logs[rank],
+            )
+            for rank in range(world_size)
+        ]
+        self._wait_ready()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all((self.folder / f"ready{r}").exists() for r in range(self.world_size)):
+            if not self.alive() or time.monotonic() > deadline:
+                why = "a worker died" if not self.alive() else f"not ready after {START_TIMEOUT:.0f} s"
+                message = f"pool of {self.world_size} failed to start ({why})\n{self._stderr({})}"
+                self.close(kill=True)
+                raise RankError(message)
+            time.sleep(0.02)
+
+    def run(self, spec: str, root: str, args: tuple, timeout: float) -> tuple[list[Any], int]:
+        """Each rank's value, and the most threads a worker holds after the task."""
+        task = next(self.tasks)
+        offsets = {r: self.logs[r].tell() for r in range(self.world_size)}
+        part = self.folder / f"task{task}.pkl.part"
+        part.write_bytes(pickle.dumps((spec, root, args)))
+        part.rename(self.folder / f"task{task}.pkl")
+        try:
+            for p in self.procs:
+                assert p.stdin is not None
+                p.stdin.write(f"{task}\n".encode())
+                p.stdin.flush()
+        except BrokenPipeError:
+            pass  # a worker is gone: _collect reports it with its stderr
+        outcomes, hung = self._collect(task, timeout)
+        (self.folder / f"task{task}.pkl").unlink()  # read by every rank that reported
+        exits = [p.poll() for p in self.procs]
+        values = _judge(outcomes, exits, hung, timeout, self._stderr(offsets))
+        return values, max(o[2] for o in outcomes.values())
+
+    def _collect(self, task: int, timeout: float) -> tuple[dict[int, tuple[str, Any, int]], bool]:
+        """Every rank's (status, value, threads) as far as it came; True if the deadline passed.
+        Once a rank failed or died, the others get GRACE seconds: they may be stuck in a collective."""
+        deadline = time.monotonic() + timeout
+        outcomes: dict[int, tuple[str, Any, int]] = {}
+        while True:
+            silent_before = [r for r in range(self.world_size) if r not in outcomes]
+            exited = [self.procs[r].poll() is not None for r in silent_before]  # before reading: no race
+            for r in silent_before:
+                path = self.folder / f"result{task}.{r}.pkl"
+                if path.exists():
+                    outcomes[r] = pickle.loads(path.read_bytes())
+                    path.unlink()
+                    if outcomes[r][0] == "error":
+                        deadline = min(deadline, time.monotonic() + GRACE)
+            silent = [r for r, gone in zip(silent_before, exited) if gone and r not in outcomes]
+            if len(outcomes) == self.world_size or (
+                silent and len(silent) + len(outcomes) == self.world_size
+            ):
+                return outcomes, False  # everyone reported, or every silent rank is dead
+            if any(exited):
+                deadline = min(deadline, time.monotonic() + GRACE)
+            if time.monotonic() > deadline:
+                return outcomes, True
+            time.sleep(0.005)
+
+    def _stderr(self, offsets: dict[int, int]) -> str:
+        parts = []
+        for r in range(self.world_size):
+            self.logs[r].flush()
+            data = (self.folder / f"stderr{r}").read_bytes()[offsets.get(r, 0) :]
+            code = self.procs[r].poll()
+            state = "running" if code is None else f"exit {code}"
+            parts.append(f"--- rank {r} stderr ({state}) ---\n{data[-3000:].decode(errors='replace')}")
+        return "\n".join(parts)
+
+    def close(self, kill: bool = False) -> None:
+        for p in self.procs:
+            if p.stdin is not None and not p.stdin.closed:
+                with contextlib.suppress(BrokenPipeError):
+                    p.stdin.close()
+        for p in self.procs:
+            if kill:
+                p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _judge(outcomes: dict, exits: list[int | None], hung: bool, timeout: float, stderr: str) -> list[Any]:
+    """The values in rank order, or RankError with the first rank's own error, as launch reports it.
+    ``exits``: each worker's exit code, None while it runs."""
+    errors = {r: v for r, (status, v, _) in outcomes.items() if status == "error"}
+    silent = [r for r in range(len(exits)) if r not in outcomes]
+    if errors:
+        # A rank's own error first; "Connection reset" is usually another rank's consequence.
+        first = min(errors, key=lambda r: ("Connection reset" in errors[r], r))
+        rest = "".join(
+            f"\n--- also rank {r}: {v.strip().splitlines()[-1]}" for r, v in errors.items() if r != first
+        )
+        others = f"\nranks without a result: {silent}\n{stderr}" if silent else ""
+        raise RankError(
+            f"rank {first} failed{' (others hung)' if hung else ''}:\n{errors[first]}{rest}{others}"
+        )
+    if silent:
+        dead = [r for r in silent if exits[r] is not None]
+        if dead:
+            raise RankError(f"rank {dead[0]} died without a result (exit code {exits[dead[0]]})\n{stderr}")
+        raise RankError(f"rank {silent[0]} timed out after {timeout:.0f} s (hang?)\n{stderr}")
+    return [outcomes[r][1] for r in range(len(exits))]
+
+
+_POOLS: dict[int, _Pool] = {}
+atexit.register(shutdown)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when pytest dies, whatever the worker is blocked in."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stdin EOF still ends an idle worker
+    if os.getppid() == 1:
+        os._exit(1)  # the parent is already gone
+
+
+def _serve(folder: Path, rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    (folder / f"ready{rank}").touch()
+    for line in sys.stdin:  # one task number per line; EOF: the session is over
+        task = int(line)
+        outcome = _run_task(pickle.loads((folder / f"task{task}.pkl").read_bytes()))
+        part = folder / f"result{task}.{rank}.pkl.part"
+        try:
+            part.write_bytes(pickle.dumps((*outcome, _threads())))
+        except Exception:  # noqa: BLE001 - an unpicklable return value is the task's error
+            import traceback
+
+            part.write_bytes(pickle.dumps(("error", traceback.format_exc(), _threads())))
+        part.rename(folder / f"result{task}.{rank}.pkl")
+    sys.stderr.flush()
+    os._exit(0)  # no gloo destructor at exit (see muon_dtensor.demo.launch)
+
+
+def _threads() -> int:
+    """This process's thread count: each process group a task makes keeps gloo threads alive."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _run_task(task: tuple[str, str, tuple]) -> tuple[str, Any]:
+    import importlib
+    import random
+    import traceback
+
+    import torch
+
+    spec, root, args = task
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    torch.manual_seed(0)  # results must not depend on which tasks ran before in this process
+    random.seed(0)
+    try:
+        module, name = spec.split(":")
+        return ("ok", getattr(importlib.import_module(module), name)(*args))
+    except BaseException:  # noqa: BLE001 - report every failure, CheckpointException included
+        return ("error", traceback.format_exc())
+
+
+if __name__ == "__main__":
+    _die_with_parent()
+    _serve(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

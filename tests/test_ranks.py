@@ -1,0 +1,79 @@
+"""The pool of rank processes (tests/ranks.py) keeps every multi-rank test able to fail.
+
+A pooled worker outlives the call, so a rank that raised could leave the others waiting in a
+collective, and a stuck pool would turn every later test into a timeout. These tests pin the rules:
+a rank that raises, hangs or dies fails the call with RankError (the rank's traceback, or why it has
+none) within the call's deadline, the pool is replaced, and the next call passes; and every task
+starts from the same RNG state, so results do not depend on the order tests run in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.ranks import GRACE, RankError, run_ranks
+
+
+def test_a_raising_rank_fails_the_call_with_its_traceback_and_the_pool_is_replaced() -> None:
+    before = run_ranks(pid, 2)
+    start = time.monotonic()
+    with pytest.raises(
+        RankError, match=r"(?s)rank 1 failed \(others hung\):\nTraceback.*ValueError: rank 1 broke"
+    ):
+        run_ranks(raise_on_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < GRACE + 5  # rank 0, stuck in the barrier, was not waited for
+    after = run_ranks(pid, 2)
+    assert set(after).isdisjoint(before), "the failed pool was reused"
+
+
+def test_a_hang_is_killed_at_the_deadline() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0 timed out after 2 s \(hang\?\)"):
+        run_ranks(hang_on_rank_0, 2, timeout=2)
+    assert time.monotonic() - start < 2 + 5
+    assert run_ranks(pid, 2)  # a new pool
+
+
+def test_a_dying_rank_fails_the_call() -> None:
+    with pytest.raises(RankError, match=r"rank 1 died without a result \(exit code 3\)"):
+        run_ranks(exit_on_rank_1, 2, timeout=60)
+
+
+def test_every_task_starts_from_the_same_rng_state() -> None:
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(0))
+    first, second = run_ranks(draw, 1)[0], run_ranks(draw, 1)[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+
+
+# Rank functions (run by tests.ranks in every rank of the pool).
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def raise_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 broke")
+    dist.barrier()  # rank 0 waits here for a rank that never comes
+
+
+def hang_on_rank_0() -> None:
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+def exit_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def draw() -> torch.Tensor:
+    out = torch.rand(3)
+    torch.rand(100)  # moves the global RNG on: the next task must not start here
+    return out
