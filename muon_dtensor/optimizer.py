@@ -13,7 +13,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from . import validation
 from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
-from ._sharding.param_layout import local_grad, local_of
+from ._sharding.param_layout import local_grad, local_of, relayout
 from ._sharding.plan import DEFAULT_ROUND_BYTES
 from .functional import MuonHyper, adamw_step, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
@@ -92,6 +92,7 @@ class Muon(Optimizer):
         validation.check_muon_group(defaults)
         self._process_group = process_group
         self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
+        self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
         self.comm_stats = CommStats()
         super().__init__(params, defaults)
 
@@ -109,6 +110,20 @@ class Muon(Optimizer):
             raise
         for p in group["params"]:
             self._init_state(group, p)
+        self._params[index] = list(group["params"])
+
+    def _follow_replaced_params(self) -> None:
+        """Parameters replaced in place in ``param_groups`` (accelerate and HF Trainer swap in the
+        DTensors ``fully_shard`` made) take over their predecessors' state, laid out like them."""
+        for index, group in enumerate(self.param_groups):
+            for old, new in zip(self._params.get(index, []), group["params"]):
+                if old is not new and old in self.state and new not in self.state:
+                    self.state[new] = {k: relayout(v, old, new) for k, v in self.state.pop(old).items()}
+            self._params[index] = list(group["params"])
+
+    def state_dict(self) -> dict[str, Any]:
+        self._follow_replaced_params()
+        return super().state_dict()
 
     def _init_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Create state eagerly, so every rank has the same keys even before the first step and a
@@ -135,6 +150,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_replaced_params()
         configs = [validation.check_group(g) for g in self.param_groups]
         validation.agree(self.param_groups, self._process_group)  # before any other collective
         shardings = [

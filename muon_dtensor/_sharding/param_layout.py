@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, shard_blocks
@@ -21,6 +21,7 @@ __all__ = [
     "describe",
     "exchange_axes",
     "layout_of",
+    "relayout",
     "local_grad",
     "local_of",
     "same_layout",
@@ -163,3 +164,15 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             )
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
+
+
+def relayout(value: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    """A state tensor of parameter ``old`` laid out like its replacement ``new``, in ``new``'s dtype
+    (a plain full tensor becomes ``new``'s local shard, cut locally). Scalars (step counters) stay."""
+    if value.ndim == 0 or tuple(value.shape) != tuple(old.shape):
+        return value
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    full = full.to(device=new.device, dtype=new.dtype)
+    if not isinstance(new, DTensor):
+        return full
+    return distribute_tensor(full, new.device_mesh, new.placements, src_data_rank=None)
