@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.budget import fit_budget  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     MATRIX_SETS,
     comm_formulas,
@@ -80,8 +81,11 @@ TRAFFIC_TOLERANCE = 5.0  # percent
 # --------------------------------------------------------------------------- setup
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8, help="transformer layers (8)")
-    p.add_argument("--width", type=int, default=512, help="model width (512)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="transformer layers (8, or fewer to fit --budget)"
+    )
+    p.add_argument("--width", type=int, default=None, help="model width (512, or less to fit --budget)")
+    p.add_argument("--budget", type=float, default=900.0, help="s the run should fit; sizes the set (900)")
     p.add_argument("--steps", type=int, default=7, help="timed steps (7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (2)")
@@ -109,6 +113,8 @@ def out_path(args: argparse.Namespace) -> Path:
     if args.out is not None:
         return args.out
     sizes = world_sizes(args)
+    if args.matrix_set == "default" and (args.layers, args.width) != (8, 512):
+        return RESULTS / f"bench_step_default_{args.layers}x{args.width}_{'-'.join(map(str, sizes))}.json"
     if args.matrix_set == "default" and sizes == [2]:
         return RESULTS / "bench_step.json"
     return RESULTS / f"bench_step_{args.matrix_set}_{'-'.join(map(str, sizes))}.json"
@@ -372,6 +378,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], load_start: dic
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
+    args.size_choice = fit_budget(args, world_sizes(args))
     load_start = wait_for_quiet(args.wait_quiet)
     report(args, run_all(args), load_start)
 

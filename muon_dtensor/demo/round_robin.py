@@ -15,6 +15,7 @@ the non-matrix parameters, and ``torch.save`` of rank 0's state dicts as the che
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,16 @@ class RoundRobinMuon(torch.optim.Optimizer):
     """Round-robin Muon on replicated parameters: parameter ``i`` is updated by rank ``i % world``."""
 
     def __init__(
-        self, params: list[nn.Parameter], lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95
+        self,
+        params: list[nn.Parameter],
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_dtype: str = "bfloat16",
     ) -> None:
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
-        self.config = resolve_ns_config("keller", 5, 1e-7)
+        config = resolve_ns_config("keller", 5, 1e-7)
+        self.config = replace(config, dtype=getattr(torch, ns_dtype))
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -66,11 +73,14 @@ class RoundRobinSession:
         weight_decay: float,
         adamw: dict[str, Any],
         adamw_names: tuple[str, ...] = (),
+        ns_dtype: str = "bfloat16",
     ) -> None:
         self.model = model
         muon_group, adamw_group = split_params(model, adamw=adamw_names)
         self.muon_names = [name for name, _ in muon_group["params"]]
-        self.muon = RoundRobinMuon([p for _, p in muon_group["params"]], lr=lr, weight_decay=weight_decay)
+        self.muon = RoundRobinMuon(
+            [p for _, p in muon_group["params"]], lr=lr, weight_decay=weight_decay, ns_dtype=ns_dtype
+        )
         self.adamw = torch.optim.AdamW([p for _, p in adamw_group["params"]], **adamw)
         self.dp_rank, self.dp_size, self.dp_group = dist.get_rank(), dist.get_world_size(), None
         # Gradients are summed over ranks, so each micro-batch's loss carries 1 / micro-batches.

@@ -28,6 +28,7 @@ from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.demo.launch import RankError, run_ranks
 
 from . import report
+from .cpu import CpuProbe, probe
 from .model import ModelConfig, TinyLM
 from .parallel import LAYOUTS, demo_shape, layout_problem
 from .progress import Progress
@@ -76,7 +77,7 @@ def _check(args: argparse.Namespace) -> str | None:
     return layout_problem(args.layout, args.world_size)
 
 
-def _base(args: argparse.Namespace, optimizer: str) -> RunSpec:
+def _base(args: argparse.Namespace, optimizer: str, ns_dtype: str) -> RunSpec:
     # Every data-parallel rank of every run (round-robin's too) gets whole micro-batches.
     count = math.lcm(args.world_size, args.resume_world_size)
     save_at = args.steps // 2
@@ -91,6 +92,7 @@ def _base(args: argparse.Namespace, optimizer: str) -> RunSpec:
         save_at=save_at,
         crash_at=min(save_at + 2, args.steps),
         progress=str(args.out / ".progress"),
+        ns_dtype=ns_dtype,
     )
 
 
@@ -111,9 +113,9 @@ def _crash(label: str, world: int, spec: RunSpec) -> None:
     raise RuntimeError(f"the run meant to crash after step {spec.crash_at} finished instead")
 
 
-def _scenario(args: argparse.Namespace, optimizer: str, first: int) -> report.Outcome:
+def _scenario(args: argparse.Namespace, optimizer: str, first: int, ns_dtype: str) -> report.Outcome:
     """Uninterrupted run, crashing run, resumed run."""
-    base = _base(args, optimizer)
+    base = _base(args, optimizer, ns_dtype)
     assert base.save_at is not None and base.crash_at is not None  # _base sets both
     shutil.rmtree(base.folder, ignore_errors=True)
     w, r = args.world_size, args.resume_world_size
@@ -138,10 +140,20 @@ def _backend(args: argparse.Namespace) -> str:
     return "NCCL on GPUs"
 
 
-def _header(args: argparse.Namespace) -> str:
+def precision(cpu: CpuProbe | None) -> tuple[str, str]:
+    """(Newton-Schulz dtype name, the line saying why): bf16, the library's default, unless the
+    ranks run on a CPU that emulates it (``cpu.probe``), where fp32 is about 50x faster."""
+    if cpu is None:
+        return "bfloat16", "Newton-Schulz in bfloat16 (the library's default) on GPUs."
+    if cpu.emulated:
+        why = "bf16 is emulated here, so the demo runs Newton-Schulz in float32 (ns_dtype=torch.float32)"
+        return "float32", f"{cpu.describe()}.\n{why}; figures differ from the README's bf16 run."
+    return "bfloat16", f"{cpu.describe()}.\nNewton-Schulz in bfloat16 (the library's default)."
+
+
+def _header(args: argparse.Namespace, backend: str) -> str:
     cfg = ModelConfig()
     count = sum(p.numel() for p in TinyLM(cfg).parameters())
-    backend = _backend(args)
     shape = demo_shape(args.layout, args.world_size).describe()
     resumed = demo_shape(args.layout, args.resume_world_size).describe()
     return (
@@ -200,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    print(_header(args), flush=True)
-    ours = _scenario(args, "muon_dtensor", 1)
+    backend = _backend(args)
+    cpu = probe() if backend.startswith("gloo") else None
+    ns_dtype, why = precision(cpu)
+    print(_header(args, backend) + why + "\n", flush=True)
+    ours = _scenario(args, "muon_dtensor", 1, ns_dtype)
     ok = _show_ours(args, ours)
     print(
         "\nThe same crash under round-robin Muon (KellerJordan/Muon's distributed scheme: parameter i is "
@@ -209,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         "with torch.save; replicated model):\n",
         flush=True,
     )
-    theirs = _scenario(args, "round_robin", 4)
+    theirs = _scenario(args, "round_robin", 4, ns_dtype)
     _show_twins(args, ours, theirs)
     seconds = time.perf_counter() - start
-    _write(args, ours, theirs, seconds)
+    _write(args, ours, theirs, seconds, cpu)
     print(f"\ndone in {seconds:.0f} s")
     return 0 if ok else 1
 
@@ -265,21 +280,33 @@ def _summary(outcome: report.Outcome) -> dict[str, Any]:
 
 
 def results(
-    args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome, seconds: float
+    args: argparse.Namespace,
+    ours: report.Outcome,
+    theirs: report.Outcome,
+    seconds: float,
+    cpu: CpuProbe | None = None,
 ) -> dict[str, Any]:
-    """What ``results.json`` holds: typed arguments, where it ran, and each optimizer's runs."""
+    """What ``results.json`` holds: typed arguments, where it ran (with the bf16 probe and the
+    Newton-Schulz dtype it chose), and each optimizer's runs."""
+    env = environment() | {"bf16_probe": None if cpu is None else cpu.as_json()}
     return {
         "args": args_json(args),
-        "environment": environment(),
+        "environment": env | {"ns_dtype": precision(cpu)[0]},
         "seconds": round(seconds, 1),
         "muon_dtensor": _summary(ours),
         "round_robin": _summary(theirs),
     }
 
 
-def _write(args: argparse.Namespace, ours: report.Outcome, theirs: report.Outcome, seconds: float) -> None:
+def _write(
+    args: argparse.Namespace,
+    ours: report.Outcome,
+    theirs: report.Outcome,
+    seconds: float,
+    cpu: CpuProbe | None = None,
+) -> None:
     path = args.out / "results.json"
-    path.write_text(json.dumps(results(args, ours, theirs, seconds), indent=1))
+    path.write_text(json.dumps(results(args, ours, theirs, seconds, cpu), indent=1))
     png = report.plot(ours, theirs, args.out / "loss.png")
     if png is None:
         print(

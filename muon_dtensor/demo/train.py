@@ -53,6 +53,7 @@ class RunSpec:
     resume: bool = False
     record_from: int | None = None  # keep every parameter (full) after each step >= this
     progress: str | None = None  # rank 0 writes "step total" here after each step
+    ns_dtype: str = "bfloat16"  # Newton-Schulz dtype; "float32" where bf16 is emulated (demo/cpu.py)
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -61,12 +62,15 @@ class ShardedSession:
 
     sums_gradients = False  # FSDP averages gradients over data-parallel ranks
 
-    def __init__(self, model: nn.Module, layout: str) -> None:
+    def __init__(self, model: nn.Module, layout: str, ns_dtype: str = "bfloat16") -> None:
         mesh = build_mesh(demo_shape(layout, dist.get_world_size()))
         shard_model(model, mesh)
         self.model = model
         self.opt = Muon(
-            split_params(model, adamw=ADAMW_NAMES, adamw_options=ADAMW), lr=LR, weight_decay=WEIGHT_DECAY
+            split_params(model, adamw=ADAMW_NAMES, adamw_options=ADAMW),
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            ns_dtype=ns_dtype,
         )
         self.dp_rank, self.dp_size, self.dp_group = data_parallel(mesh)
 
@@ -103,9 +107,14 @@ def _session(spec: RunSpec) -> ShardedSession | RoundRobinSession:
     model = TinyLM(spec.model).to(device_type())
     if spec.optimizer == "round_robin":
         return RoundRobinSession(
-            model, lr=LR, weight_decay=WEIGHT_DECAY, adamw=ADAMW, adamw_names=ADAMW_NAMES
+            model,
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            adamw=ADAMW,
+            adamw_names=ADAMW_NAMES,
+            ns_dtype=spec.ns_dtype,
         )
-    return ShardedSession(model, spec.layout)
+    return ShardedSession(model, spec.layout, spec.ns_dtype)
 
 
 def train_step(
