@@ -2,15 +2,17 @@
 
 Three kinds: a small integer all-reduce for the preflight (so every rank sees every rank's input
 problems before any data moves), the all-to-all that carries matrix blocks to their owners and back,
-and the checkpoint helpers' object broadcasts, gathers and barriers. Blocks travel in the
-Newton-Schulz dtype (bfloat16 by default): the owner casts to it anyway, so sending it halves the
-bytes and changes no bit of the result. Groups are cached per default process group, so they are
-dropped with it (``destroy_process_group``) and a new one starts afresh.
+and the checkpoint helpers' object broadcasts, gathers and barriers (``first_error`` turns one rank's
+failure into the same exception on every rank). Blocks travel in the Newton-Schulz dtype (bfloat16
+by default): the owner casts to it anyway, so sending it halves the bytes and changes no bit of the
+result. Groups are cached per default process group, so they are dropped with it
+(``destroy_process_group``) and a new one starts afresh.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "exchange_group",
+    "first_error",
     "gather_objects",
     "gather_over_scope",
     "rank_and_size",
@@ -183,6 +186,34 @@ def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def first_error(error: BaseException | None, group: dist.ProcessGroup | None) -> BaseException | None:
+    """The error of the first rank of ``group`` (in rank order) that has one, or None when no rank
+    has: every rank gets the same answer and can raise it, so no rank is left waiting in the next
+    collective for one that raised. Collective (one object gather). The failing rank gets its own
+    exception back (with its traceback); an exception that does not survive pickling travels as a
+    ``RuntimeError`` with its text."""
+    if _solo(group):
+        return error
+    mine = _portable(error)
+    errors = gather_objects(mine, group)
+    first = next((rank for rank, e in enumerate(errors) if e is not None), None)
+    if first is None:
+        return None
+    return error if first == rank_and_size(group)[0] and mine is error else errors[first]
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and str(copy) == str(error):
+            return error
+    except Exception:  # noqa: BLE001 - any pickling failure: send the text instead
+        pass
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def start_all_to_all(

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._compat import _StridedShard
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, shard_blocks
 from .comm import exchange_group
 

@@ -4,11 +4,17 @@ publication, checksums, keep-last-k, newest-complete resume.
 Layout of ``root``::
 
     step_00000100/        published: DCP files + manifest.json (checksums, extra state)
-    .tmp_step_00000200/   being written (or left by a crash): never loaded, replaced on retry
+    .tmp_step_00000200/   being written (or left by a failed save): never loaded, replaced on retry
+    .del_step_00000050/   being deleted by keep_last: never loaded
 
 Every rank writes its own shards through DCP (no gather). After all ranks finished, each reports
 the checksums of the files it wrote, rank 0 writes the manifest and renames the folder to its final
 name; only then does the checkpoint exist. The folder must be on a file system every rank sees.
+
+A save or load never leaves a rank waiting in a collective for one that failed: arguments are
+checked locally before any collective; a step of rank 0's own file work (making the folder,
+publishing) ends in ``comm.first_error``, so every rank raises the same error; DCP's own failures
+already reach every rank. A load checks files, tensors and param groups before it changes anything.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from ._warnings import single_process
 from .manifest import (
     CheckpointError,
     check_compatible,
+    check_extra,
     complete_steps,
     file_record,
     read_manifest,
@@ -54,6 +61,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# The final folders of this process's async saves whose wait() has not returned: their step is taken,
+# and their save group is busy (a second save's collectives on it could interleave with theirs).
+_IN_FLIGHT: set[Path] = set()
+
 
 def _solo() -> bool:
     return not (dist.is_available() and dist.is_initialized())
@@ -67,50 +78,112 @@ def _state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _raise_together(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Collective: if any rank failed, every rank raises the first failing rank's error."""
+    first = comm.first_error(error, group)
+    if first is not None:
+        raise first
+
+
+def _attempt(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return work(), None
+    except Exception as e:  # noqa: BLE001 - handed to _raise_together, raised on every rank
+        return None, e
+
+
+def _check_arguments(step: int, extra: Any, keep_last: int | None) -> dict[str, Any]:
+    """Local checks, the same on every rank, before any collective or file write."""
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step should be an int of at least 0 but is {step!r}")
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ValueError(f"keep_last should be None or an int of at least 1 but is {keep_last!r}")
+    return check_extra(extra)
+
+
+def _prepare(
+    root: Path, step: int, group: dist.ProcessGroup | None, asynchronous: bool = False
+) -> tuple[Path, Path]:
+    """Every rank checks the step is free; rank 0 makes the temporary folder. One failure anywhere
+    (the step exists or is being saved, a read-only or full root) raises on every rank."""
+    final = step_dir(root, step)
+    tmp = root / f".tmp_{final.name}"
+
+    def claim() -> None:
+        _refuse_taken(final, asynchronous)
+        if comm.rank_and_size(group)[0] == 0:
+            if final.exists():
+                raise FileExistsError(
+                    f"{final} already exists; checkpoints are never overwritten, use a new step"
+                )
+            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
+            tmp.mkdir(parents=True)
+
+    _raise_together(_attempt(claim)[1], group)
+    return tmp, final
+
+
+def _refuse_taken(final: Path, asynchronous: bool) -> None:
+    """This process's async saves in flight: their step is taken, and their group is busy."""
+    if final.resolve() in _IN_FLIGHT:
+        raise FileExistsError(
+            f"{final} is being written by an async save still in flight; checkpoints are never "
+            "overwritten, use a new step"
+        )
+    if asynchronous and _IN_FLIGHT:
+        raise RuntimeError(
+            f"an async save ({min(_IN_FLIGHT)}) is still in flight; call its wait() before starting another"
+        )
+
+
 def _publish(tmp: Path, final: Path, records: dict[str, dict[str, int]], info: dict[str, Any]) -> None:
     records[".metadata"] = file_record(tmp / ".metadata")
     write_manifest(tmp, records, info)
     os.replace(tmp, final)
 
 
-def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
-    final = step_dir(root, step)
-    tmp = root / f".tmp_{final.name}"
-    if comm.broadcast_object(final.exists(), group):
-        raise FileExistsError(f"{final} already exists; checkpoints are never overwritten, use a new step")
-    if comm.rank_and_size(group)[0] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
-        tmp.mkdir(parents=True)
-    comm.barrier(group)
-    return tmp, final
+def _prune(root: Path, keep_last: int, saved: int) -> None:
+    """Delete complete steps older than the ``keep_last`` newest, never the one just saved. Each is
+    renamed away first, so a deletion that stops midway never leaves a folder that looks complete.
+    Best effort: the save is already published, so a failure here is logged, not raised."""
+    try:
+        doomed = [step_dir(root, s) for s in complete_steps(root)[:-keep_last] if s != saved]
+        for folder in doomed:
+            os.replace(folder, root / f".del_{folder.name}")
+        for folder in root.glob(".del_step_*"):
+            shutil.rmtree(folder, ignore_errors=True)
+    except OSError as e:
+        log.warning("keep_last=%d: could not remove older steps: %s", keep_last, e)
 
 
 def _finalize(
     tmp: Path,
     final: Path,
     step: int,
-    extra: dict[str, Any] | None,
+    extra: dict[str, Any],
     keep_last: int | None,
     group: dist.ProcessGroup | None,
 ) -> Path:
-    """Checksums from every rank, then rank 0 publishes: manifest, rename, prune."""
+    """Checksums from every rank, then rank 0 publishes: manifest, rename, prune. A failure on any
+    rank (a file that cannot be read back, a full disk, a read-only root) raises on every rank."""
     rank, world = comm.rank_and_size(group)
-    mine = {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")}
-    records = {k: v for part in comm.gather_objects(mine, group) for k, v in part.items()}
+    mine, error = _attempt(lambda: {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")})
+    parts = comm.gather_objects(mine, group)
+    _raise_together(error, group)
     if rank == 0:
+        records = {k: v for part in parts for k, v in part.items()}
         info = {
             "step": step,
-            "extra": extra or {},
+            "extra": extra,
             "world_size": world,
             "time": time.time(),
             "torch": torch.__version__,
         }
-        _publish(tmp, final, records, info)
-        if keep_last is not None:
-            for old in complete_steps(final.parent)[:-keep_last]:
-                shutil.rmtree(step_dir(final.parent, old), ignore_errors=True)
-    comm.barrier(group)
-    log.info("saved %s (%d files)", final, len(records) + 1)
+        error = _attempt(lambda: _publish(tmp, final, records, info))[1]
+        if error is None and keep_last is not None:
+            _prune(final.parent, keep_last, step)
+    _raise_together(error, group)
+    log.info("saved %s", final)
     return final
 
 
@@ -126,9 +199,12 @@ def save_checkpoint(
 ) -> Path:
     """Save model (and optimizer) state of ``step`` under ``root``; collective over the group.
 
-    ``extra`` (JSON-serializable: data position, RNG seeds, ...) is stored in the manifest and
-    returned by ``load_checkpoint``. An existing step is never overwritten.
+    ``extra`` (JSON values that come back unchanged: data position, RNG seeds, ...; see
+    ``check_extra``) is stored in the manifest and returned by ``load_checkpoint``. An existing
+    step is never overwritten; ``keep_last`` (None or at least 1) deletes older complete steps. Any
+    failure raises the same error on every rank, and leaves no half-published step.
     """
+    extra = _check_arguments(step, extra, keep_last)
     tmp, final = _prepare(Path(root), step, process_group)
     solo = _solo()
     with single_process(solo):
@@ -138,16 +214,27 @@ def save_checkpoint(
 
 class PendingSave:
     """An asynchronous save in flight. ``wait()`` (collective: call it on every rank) blocks until
-    every rank's files are written, then publishes the checkpoint and returns its folder."""
+    every rank's files are written, then publishes the checkpoint and returns its folder; a failure
+    raises on every rank, and again on a later ``wait()``."""
 
-    def __init__(self, future: Any, publish: Callable[[], Path]) -> None:
-        self._future, self._publish = future, publish
+    def __init__(self, future: Any, publish: Callable[[], Path], final: Path) -> None:
+        self._future, self._publish, self._final = future, publish, final
         self._done: Path | None = None
+        self._error: BaseException | None = None
+        _IN_FLIGHT.add(final)
 
     def wait(self) -> Path:
+        if self._error is not None:
+            raise self._error
         if self._done is None:
-            self._future.result()
-            self._done = self._publish()
+            try:
+                self._future.result()
+                self._done = self._publish()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                _IN_FLIGHT.discard(self._final)
         return self._done
 
 
@@ -162,13 +249,15 @@ def async_save_checkpoint(
     process_group: dist.ProcessGroup | None = None,
 ) -> PendingSave:
     """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
-    ``wait()`` on the result (every rank) before the next save and before exiting."""
+    ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
+    the same step, or another async save, before then raises on every rank."""
+    extra = _check_arguments(step, extra, keep_last)
+    tmp, final = _prepare(Path(root), step, process_group, asynchronous=True)
     group = comm.save_group(process_group)
-    tmp, final = _prepare(Path(root), step, group)
     future = dcp.async_save(
         _state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
     )
-    return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group))
+    return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group), final.resolve())
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
@@ -179,9 +268,14 @@ def latest_step(root: str | os.PathLike) -> int | None:
 def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Every rank checks a share of the files; every rank raises the same error naming them."""
     rank, world = comm.rank_and_size(group)
-    manifest = read_manifest(folder)
-    names = sorted(manifest["files"])
-    problems = verify_files(folder, names[rank::world], manifest)
+
+    def check() -> tuple[dict[str, Any], list[str]]:
+        manifest = read_manifest(folder)
+        return manifest, verify_files(folder, sorted(manifest["files"])[rank::world], manifest)
+
+    checked, error = _attempt(check)
+    _raise_together(error, group)
+    manifest, problems = checked
     everyone = sorted(p for part in comm.gather_objects(problems, group) for p in part)
     if everyone:
         raise CheckpointError("checkpoint files failed verification: " + "; ".join(everyone))
@@ -199,19 +293,23 @@ def load_checkpoint(
     """Load ``step`` (default: the newest complete one) into ``model`` and ``optimizer``.
 
     Returns ``{"step": ..., **extra}``, or None when ``root`` holds no complete checkpoint. The
-    world size and mesh may differ from the saving run's: DCP reshards. Files are verified against
-    their checksums and the checkpoint's tensors against the model's before anything is loaded.
+    world size and mesh may differ from the saving run's: DCP reshards. Before anything is loaded,
+    files are verified against their checksums, the checkpoint's tensors against the model's and
+    its param groups against the optimizer's; a failure raises on every rank.
     """
-    chosen = comm.broadcast_object(step if step is not None else latest_step(root), process_group)
+    chosen, error = comm.broadcast_object(
+        _attempt(lambda: step if step is not None else latest_step(root)), process_group
+    )
+    if error is not None:
+        raise error
     if chosen is None:
         return None
     folder = step_dir(root, chosen)
     manifest = _verify(folder, process_group)
     state = _state(model, optimizer)
-    flat, _ = _flatten(state)
-    check_compatible(folder, flat)
+    _raise_together(_attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
     # Partial load: hyperparameter entries a torch.optim.Muon / AdamW checkpoint lacks ("algorithm")
-    # keep their current values; every tensor was checked to be present above.
+    # keep their current values; every tensor and every group was checked above.
     planner = DefaultLoadPlanner(allow_partial_load=True)
     solo = _solo()
     with single_process(solo):
@@ -224,6 +322,6 @@ def load_checkpoint(
 
 
 def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from .._compat import flatten_state_dict
 
     return flatten_state_dict(state)

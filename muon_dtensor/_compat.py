@@ -1,0 +1,54 @@
+"""Version-tolerant imports of the private torch APIs muon_dtensor relies on.
+
+Each private name is looked up here and nowhere else, in every place torch has kept it across the
+releases listed in docs/compatibility.md, so a move in a new torch release is fixed in one file.
+A name found in none of them raises an ImportError that names the torch version and the places
+tried, at import time (``_StridedShard``) or at first use (``flatten_state_dict``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+__all__ = ["_StridedShard", "flatten_state_dict"]
+
+
+def _find(name: str, modules: tuple[str, ...]) -> Any:
+    """The first ``module.name`` that imports, in the order given."""
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(
+        f"muon_dtensor: torch {torch.__version__} has no {name} in {', '.join(modules)}; "
+        "see docs/compatibility.md for the torch releases muon_dtensor is tested with"
+    )
+
+
+# DTensor's interleaved shard (FSDP2 over tensor parallel). In torch 2.9 a Python subclass of Shard,
+# in 2.13 a subclass of the C++ ``torch._C._distributed.StridedShard`` (not of Shard); in
+# ``placement_types`` in both, and re-exported by ``torch.distributed.tensor`` in 2.13 (not 2.9).
+# Callers test ``isinstance(p, _StridedShard)`` before ``type(p) is Shard``, which holds in both.
+_STRIDED_SHARD_MODULES = ("torch.distributed.tensor.placement_types", "torch.distributed.tensor")
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import _StridedShard
+else:
+    _StridedShard = _find("_StridedShard", _STRIDED_SHARD_MODULES)
+
+
+# DCP's nested-dict flattening, the key mapping dcp.save and dcp.load use for nested state dicts.
+_FLATTEN_MODULES = ("torch.distributed.checkpoint._nested_dict",)
+
+
+def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``: (flat dict, key mapping)."""
+    flatten: Callable[[dict[str, Any]], tuple[dict[str, Any], Any]] = _find(
+        "flatten_state_dict", _FLATTEN_MODULES
+    )
+    return flatten(state)

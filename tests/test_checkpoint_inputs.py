@@ -1,0 +1,210 @@
+"""What a save accepts and what a manifest proves: ``extra`` must come back exactly as saved (else the
+save is refused naming the key, before any file is written, on every rank and before any collective),
+``keep_last`` is None or at least 1 and never deletes the newest step or the one just saved, and a
+manifest with any byte flipped is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import muon_dtensor.checkpoint as ckpt
+from muon_dtensor import Muon, split_params
+from muon_dtensor.checkpoint.manifest import MANIFEST, read_manifest
+from tests.models import Net, build
+from tests.ranks import run_ranks
+
+TIMEOUT = 60.0  # seconds per multi-rank call; a rank that waits in a collective fails the test
+
+
+def _net(seed: int = 0) -> tuple[nn.Module, Muon]:
+    torch.manual_seed(seed)
+    model = Net()
+    return model, Muon(split_params(model), lr=0.02)
+
+
+# ----------------------------------------------------------------------------------- extra
+
+REFUSED: dict[str, tuple[Any, type[Exception], str]] = {
+    "tensor": (
+        {"w": torch.ones(2)},
+        TypeError,
+        r"extra\['w'\] is of type Tensor, which JSON would not give back",
+    ),
+    "nested_tensor": (
+        {"a": [1, {"b": torch.ones(1)}]},
+        TypeError,
+        r"extra\['a'\]\[1\]\['b'\] is of type Tensor",
+    ),
+    "int_key": ({"rng": {3: "x"}}, TypeError, r"extra\['rng'\]: the key 3 is of type int; JSON keys are str"),
+    "step_key": ({"step": 999}, ValueError, r"extra\['step'\]: the key 'step' is reserved"),
+    "nan": ({"loss": math.nan}, ValueError, r"extra\['loss'\] is nan; JSON has no NaN or infinity"),
+    "infinity": ({"best": [1.0, -math.inf]}, ValueError, r"extra\['best'\]\[1\] is -inf"),
+    "tuple": ({"shape": (2, 3)}, TypeError, r"extra\['shape'\] is of type tuple, .*; use a list"),
+    "not_a_dict": ([1, 2], TypeError, r"extra should be a dict but is of type list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_extra_that_json_would_change_is_refused_before_any_write(case: str, tmp_path: Path) -> None:
+    extra, error, pattern = REFUSED[case]
+    model, opt = _net()
+    with pytest.raises(error, match=pattern):
+        ckpt.save_checkpoint(tmp_path, 1, model, opt, extra=extra)
+    with pytest.raises(error, match=pattern):
+        ckpt.async_save_checkpoint(tmp_path, 1, model, opt, extra=extra)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extra_comes_back_exactly(tmp_path: Path) -> None:
+    extra = {
+        "data": {"position": 12345678901234567890, "files": ["a", "b"], "done": False},
+        "lr": 0.1 + 0.2,
+        "tiny": 5e-324,
+        "none": None,
+        "unicode": "é→∞",
+        "nested": [[], {}, [1.5, -0.0, True]],
+    }
+    model, opt = _net()
+    ckpt.save_checkpoint(tmp_path, 1, model, opt, extra=extra)
+    info = ckpt.load_checkpoint(tmp_path, *_net(1))
+    assert info is not None and info.pop("step") == 1
+    assert info == extra and json.dumps(info, sort_keys=True) == json.dumps(extra, sort_keys=True)
+    assert math.copysign(1.0, info["nested"][2][1]) == -1.0  # -0.0 kept its sign
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's, one process
+def test_an_async_save_keeps_extra_as_it_was_at_the_call(tmp_path: Path) -> None:
+    model, opt = _net()
+    extra: dict[str, Any] = {"data": {"position": 8}}
+    pending = ckpt.async_save_checkpoint(tmp_path, 1, model, opt, extra=extra)
+    extra["data"]["position"] = 16  # training goes on while the save is in flight
+    pending.wait()
+    assert ckpt.load_checkpoint(tmp_path, *_net(1)) == {"step": 1, "data": {"position": 8}}
+
+
+# ----------------------------------------------------------------------------------- step, keep_last
+
+
+@pytest.mark.parametrize(
+    ("keep_last", "step"), [(-1, 4), (0, 4), (True, 4), (1.5, 4), (None, -1), (None, True), (None, "4")]
+)
+def test_keep_last_below_one_and_bad_steps_are_refused_before_any_write(
+    keep_last: Any, step: Any, tmp_path: Path
+) -> None:
+    model, opt = _net()
+    for s in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, s, model, opt)
+    name = "keep_last" if step == 4 else "step"
+    with pytest.raises(ValueError, match=rf"{name} should be .*but is {keep_last if step == 4 else step!r}"):
+        ckpt.save_checkpoint(tmp_path, step, model, opt, keep_last=keep_last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+
+
+def test_keep_last_keeps_the_newest_step_and_the_one_just_saved(tmp_path: Path) -> None:
+    model, opt = _net()
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, model, opt, keep_last=1)
+    assert ckpt.complete_steps(tmp_path) == [3]
+    ckpt.save_checkpoint(tmp_path, 2, model, opt, keep_last=1)  # an older step, saved again
+    assert ckpt.complete_steps(tmp_path) == [2, 3]
+    ckpt.save_checkpoint(tmp_path, 5, model, opt, keep_last=2)
+    assert ckpt.complete_steps(tmp_path) == [3, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000005"]
+
+
+# ----------------------------------------------------------------------------------- the manifest
+
+
+def test_every_flipped_bit_and_byte_of_the_manifest_is_refused(tmp_path: Path) -> None:
+    """Every byte: its 8 single-bit flips, all bits flipped, and each JSON whitespace in its place.
+    ``extra`` holds what JSON can spell two ways (``1e-05`` / ``1E-05``, ``\u00e9`` / ``\u00e9``), so
+    a flip can give the same content in other bytes: refused too, the file is not the one written."""
+    model, opt = _net()
+    extra = {"data_step": 7, "seed": [1, 2], "lr": 1e-05, "name": "é"}
+    folder = ckpt.save_checkpoint(tmp_path, 1, model, opt, extra=extra)
+    path = folder / MANIFEST
+    good = path.read_bytes()
+    assert read_manifest(folder)["extra"] == extra and b"1e-05" in good and b"\\u00e9" in good
+    changed = [
+        (i, v)
+        for i in range(len(good))
+        for v in {good[i] ^ m for m in (1, 2, 4, 8, 16, 32, 64, 128, 255)} | set(b" \n\t\r")
+        if v != good[i]
+    ]
+    silent = []
+    for i, value in changed:
+        path.write_bytes(good[:i] + bytes([value]) + good[i + 1 :])
+        try:
+            read_manifest(folder)
+        except ckpt.CheckpointError:
+            continue
+        silent.append((i, chr(good[i]), chr(value)))
+    assert not silent, f"{len(silent)} of {len(changed)} changed bytes read back, the first: {silent[:5]}"
+
+
+def test_a_load_with_a_flipped_manifest_changes_nothing(tmp_path: Path) -> None:
+    model, opt = _net()
+    folder = ckpt.save_checkpoint(tmp_path, 1, model, opt, extra={"data_step": 7})
+    text = (folder / MANIFEST).read_text()
+    (folder / MANIFEST).write_text(text.replace('"data_step": 7', '"data_step": 8'))
+    fresh, fresh_opt = _net(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match="manifest fails its checksum"):
+        ckpt.load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_manifest_written_before_the_checksum_still_loads(tmp_path: Path) -> None:
+    """Checkpoints saved by earlier versions: their manifest has no checksum (only its files do)."""
+    model, opt = _net()
+    folder = ckpt.save_checkpoint(tmp_path, 1, model, opt, extra={"data_step": 7})
+    content = json.loads((folder / MANIFEST).read_text())
+    del content["checksum"]
+    (folder / MANIFEST).write_text(json.dumps(content, indent=1, sort_keys=True))
+    assert ckpt.load_checkpoint(tmp_path, *_net(1)) == {"step": 1, "data_step": 7}
+
+
+# ----------------------------------------------------------------------------------- on every rank
+
+
+@pytest.mark.parametrize("case", ["tensor_extra", "step_key", "keep_last_0", "keep_last_-1"])
+def test_bad_arguments_raise_on_every_rank_before_any_collective(case: str, tmp_path: Path) -> None:
+    """Every rank raises the same error; then rank 0 alone tries again: a collective would leave it
+    waiting for rank 1, which has returned, and the call would time out."""
+    (both, alone), (both_on_1, alone_on_1) = run_ranks(bad_arguments, 2, str(tmp_path), case, timeout=TIMEOUT)
+    assert both == both_on_1 and both[0] == both[1] == alone and alone_on_1 is None, (both, alone)
+    assert both[0][0] in ("TypeError", "ValueError"), both
+    assert list(tmp_path.iterdir()) == []
+
+
+ARGUMENTS: dict[str, dict[str, Any]] = {
+    "tensor_extra": {"extra": {"w": torch.zeros(1)}},
+    "step_key": {"extra": {"step": 3}},
+    "keep_last_0": {"keep_last": 0},
+    "keep_last_-1": {"keep_last": -1},
+}
+
+
+def bad_arguments(root: str, case: str) -> tuple[list[tuple[str, str]], tuple[str, str] | None]:
+    """Rank function: (every rank's error, gathered; the error of rank 0 alone, None on rank 1)."""
+    model = build((dist.get_world_size(),))
+    opt = Muon(split_params(model), lr=0.02)
+
+    def attempt() -> tuple[str, str]:
+        try:
+            ckpt.save_checkpoint(root, 1, model, opt, **ARGUMENTS[case])
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return type(e).__name__, str(e)
+        return "ok", ""
+
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, attempt())
+    return both, attempt() if dist.get_rank() == 0 else None
