@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["_StridedShard", "flatten_state_dict"]
+__all__ = ["_StridedShard", "flatten_state_dict", "has_cpu_backend"]
 
 
 def _find(name: str, modules: tuple[str, ...]) -> Any:
@@ -52,3 +52,10 @@ def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         "flatten_state_dict", _FLATTEN_MODULES
     )
     return flatten(state)
+
+
+def has_cpu_backend(group: torch.distributed.ProcessGroup) -> bool:
+    """Whether ``group`` can run a collective on CPU tensors (``ProcessGroup._device_types``, the
+    devices its backends serve; read by torch's own state-dict utilities since 2.3)."""
+    types = getattr(group, "_device_types", None)
+    return types is not None and any(d.type == "cpu" for d in types)

@@ -132,9 +132,12 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """torch.optim.AdamW on local tensors, in place; each ``steps`` counter is incremented first."""
+    """torch.optim.AdamW on local tensors, in place; each ``steps`` counter is incremented first.
+
+    The counters are CPU tensors (as torch.optim.AdamW keeps them unless ``capturable``), so reading
+    one for the bias correction never waits for the device."""
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step += 1
         adamw_update(
-            p, g, m, v, step=int(step.item()), lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
+            p, g, m, v, step=int(step), lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
         )

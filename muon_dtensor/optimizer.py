@@ -102,6 +102,7 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
         try:  # local checks only: collectives wait for the first step, once every rank agrees
+            validation.check_flags(group, index)
             if validation.check_group(group) is not None:
                 group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
             validation.check_params(group, validation.param_names(group, index))
@@ -143,6 +144,8 @@ class Muon(Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(group, p)
+                if "step" in self.state[p]:  # a counter saved on a device comes back to the host
+                    self.state[p]["step"] = self.state[p]["step"].detach().to("cpu", torch.float32)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -11,8 +11,10 @@ result. Groups are cached per default process group, so they are dropped with it
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+
+from .._compat import has_cpu_backend
 
 __all__ = [
     "CommStats",
@@ -79,23 +83,42 @@ class CommStats:
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
-    """Sum an integer tensor over every rank of ``mesh``, one all-reduce per mesh axis.
+    """Sum a CPU integer tensor over every rank of ``mesh``, one all-reduce per mesh axis.
 
     Summing axis by axis reaches every rank of the mesh without creating a new process group, and
     touches only ranks of this mesh, so a pipeline stage never waits on another stage.
     """
-    out = counts.to(mesh.device_type)
-    for axis in range(mesh.ndim):
-        if mesh.size(axis) > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
-    return out.cpu()
+    return _sum_on_host(
+        counts, [mesh.get_group(a) for a in range(mesh.ndim) if mesh.size(a) > 1], mesh.device_type
+    )
 
 
 def sum_over_group(counts: Tensor, group: dist.ProcessGroup, device_type: str = "cpu") -> Tensor:
-    out = counts.to(device_type)
-    if dist.get_world_size(group) > 1:
+    return _sum_on_host(counts, [group] if dist.get_world_size(group) > 1 else [], device_type)
+
+
+def _sum_on_host(counts: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str) -> Tensor:
+    """The preflight's and the agreement's sums: host-side facts, so they stay off the device
+    stream wherever the groups have a CPU backend (gloo, or "cuda:nccl,cpu:gloo" as torchtitan
+    initializes). A device-only group (plain "nccl") takes a device round trip: a host sync."""
+    on_host = all(has_cpu_backend(g) for g in groups)
+    if not on_host:
+        _warn_device_round_trip()
+    # A copy either way: callers sum the same counts over several scopes.
+    out = counts.clone() if on_host else counts.to(device_type)
+    for group in groups:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out.cpu()
+    return out if on_host else out.cpu()
+
+
+@functools.cache
+def _warn_device_round_trip() -> None:
+    warnings.warn(
+        "muon_dtensor: a process group of the optimizer's parameters has no CPU backend, so each "
+        "step's checks (a few integers per mesh axis) go through the device and wait for it; "
+        'init_process_group(backend="cuda:nccl,cpu:gloo") keeps them on the host',
+        stacklevel=4,
+    )
 
 
 def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
