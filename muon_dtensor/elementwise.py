@@ -36,12 +36,21 @@ ADJUST_LR: dict[str | None, Callable[[int, int], float]] = {
     "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
     # Moonshot, "Muon is Scalable for LLM Training" (arXiv 2502.16982): 0.2 * sqrt(max(A, B)).
     "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+    # Yang, Simon and Bernstein, "A Spectral Condition for Feature Learning" (arXiv 2310.17813):
+    # spectral norm sqrt(fan_out / fan_in) for a (fan_out, fan_in) weight.
+    "spectral": lambda rows, cols: math.sqrt(rows / cols),
 }
 
 
-def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """``lr`` times the named adjustment of a matrix of global ``shape`` (validation checks the name)."""
-    return lr * ADJUST_LR[adjust_lr_fn](int(shape[0]), int(shape[1]))
+def adjust_lr(lr: float, adjust_lr_fn: str | float | None, shape: Sequence[int]) -> float:
+    """``lr`` times the adjustment of a matrix of global ``shape``: a name from ``ADJUST_LR``, or a
+    number, the update RMS to match (validation checks both)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if isinstance(adjust_lr_fn, (int, float)):
+        # An orthogonal (rows, cols) matrix has min(rows, cols) unit singular values, so its RMS is
+        # 1 / sqrt(max(rows, cols)); 0.2 reproduces "match_rms_adamw".
+        return lr * (adjust_lr_fn * math.sqrt(max(rows, cols)))
+    return lr * ADJUST_LR[adjust_lr_fn](rows, cols)
 
 
 def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:

@@ -43,7 +43,7 @@ class MuonHyper:
     weight_decay: float
     momentum: float
     nesterov: bool
-    adjust_lr_fn: str | None
+    adjust_lr_fn: str | float | None
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> MuonHyper:

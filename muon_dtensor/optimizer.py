@@ -52,8 +52,9 @@ class Muon(Optimizer):
             name: "keller", "you", "polar_express" (default: (3.4445, -4.7750, 2.0315)).
         eps: floor of the norm the Newton-Schulz input is divided by (default: 1e-7).
         ns_steps: Newton-Schulz iterations (default: 5).
-        adjust_lr_fn: None or "original" (sqrt(max(1, rows/cols))), or "match_rms_adamw"
-            (0.2 sqrt(max(rows, cols))), from the global shape (default: None).
+        adjust_lr_fn: None or "original" (sqrt(max(1, rows/cols))), "match_rms_adamw"
+            (0.2 sqrt(max(rows, cols))), "spectral" (sqrt(rows/cols)), or a number r, the update
+            RMS to match (r sqrt(max(rows, cols))); from the global shape (default: None).
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
         mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
@@ -77,7 +78,7 @@ class Muon(Optimizer):
         ns_coefficients: NSCoefficients = DEFAULT_COEFFICIENTS,
         eps: float = 1e-7,
         ns_steps: int = 5,
-        adjust_lr_fn: str | None = None,
+        adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
         mode: str = "owner",
