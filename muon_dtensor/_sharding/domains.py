@@ -27,11 +27,13 @@ class ViewOptions:
     flatten: bool = False
     experts: bool = False
     split_sizes: tuple[int, ...] | None = None
+    head_dim: int | None = None
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> ViewOptions:
         split = group.get("split_sizes")
-        return cls(group.get("flatten", False), group.get("experts", False), tuple(split) if split else None)
+        flags = group.get("flatten", False), group.get("experts", False)
+        return cls(*flags, tuple(split) if split else None, group.get("head_dim"))
 
 
 @dataclass(frozen=True)

@@ -115,9 +115,11 @@ def matrix_views(
     flatten: bool = False,
     experts: bool = False,
     split_sizes: Sequence[int] | None = None,
+    head_dim: int | None = None,
 ) -> list[View]:
-    """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``. A parameter
-    with no elements has none (torch.optim.Muon steps it as a no-op, so do we)."""
+    """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``: row blocks
+    of ``split_sizes``, each cut into heads of ``head_dim`` rows if set. A parameter with no elements
+    has none (torch.optim.Muon steps it as a no-op, so do we)."""
     if math.prod(shape) == 0:
         return []
     experts = experts and len(shape) == 3
@@ -125,6 +127,8 @@ def matrix_views(
     rows = shape[rows_dim]
     cols = shape[2] if experts else math.prod(shape[1:])
     splits = list(split_sizes) if split_sizes else [rows]  # validation.check_params checked them
+    if head_dim:
+        splits = [head_dim for size in splits for _ in range(size // head_dim)]
     views = []
     for e in range(shape[0]) if experts else [None]:
         start = 0
