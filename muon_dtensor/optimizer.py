@@ -24,7 +24,7 @@ __all__ = ["ADAMW_DEFAULTS", "Muon"]
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 # torch.optim.Muon's arguments, in its order; then ours.
 _TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
-_VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None}
+_VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
 
 
 class Muon(Optimizer):
@@ -65,7 +65,8 @@ class Muon(Optimizer):
 
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
-    matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v).
+    matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v);
+    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split).
     """
 
     def __init__(

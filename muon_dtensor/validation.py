@@ -8,6 +8,7 @@ raises. Messages are torch.optim's where torch has the same check.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "PreflightItem",
     "check_adamw_group",
     "check_algorithm",
+    "check_flags",
     "check_group",
     "check_mode",
     "check_muon_group",
@@ -58,6 +60,25 @@ def check_algorithm(group: dict[str, Any]) -> str:
     return algorithm
 
 
+# torchtitan puts fused and foreach in every group: they pick a kernel, not the maths, and Muon has
+# one implementation, so they are ignored. These three, if set, would promise a step Muon does not take.
+_UNSUPPORTED_FLAGS = {
+    "capturable": "its step runs collectives and host-side checks that a CUDA graph cannot capture",
+    "differentiable": "its step runs under torch.no_grad(), so autograd cannot see through it",
+    "maximize": "it always minimizes; negate the loss instead",
+}
+
+
+def check_flags(group: Mapping[str, Any], index: int) -> None:
+    """Refuse torch.optim flags whose True would silently change the step's meaning."""
+    for key, why in _UNSUPPORTED_FLAGS.items():
+        if group.get(key):
+            raise ValueError(
+                f"param group {index} sets {key}={group[key]!r}, which muon_dtensor.Muon does not "
+                f"support: {why}. Set it to False or leave it out"
+            )
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
@@ -71,6 +92,21 @@ def ns_dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+def _check_adjust_lr(fn: Any) -> None:
+    """A name from ``ADJUST_LR`` (torch's message for others), or a positive finite update RMS."""
+    if isinstance(fn, (int, float)) and not isinstance(fn, bool):
+        if not 0.0 < fn < math.inf:
+            raise ValueError(
+                f"adjust_lr_fn as a number is the update RMS to match and must be positive and "
+                f"finite, but is: {fn} (Moonshot's match of AdamW is 0.2)"
+            )
+    elif isinstance(fn, bool) or fn not in ADJUST_LR:
+        raise ValueError(
+            f"Adjust learning rate function {fn} is not supported: use None, 'original', "
+            "'match_rms_adamw', 'spectral' or a positive number (the update RMS to match)"
+        )
+
+
 def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     """torch.optim.Muon's argument checks, with its messages, and ours; returns the NS config."""
     _check_lr(group["lr"])
@@ -78,8 +114,7 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
-    if group["adjust_lr_fn"] not in ADJUST_LR:
-        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    _check_adjust_lr(group["adjust_lr_fn"])
     check_mode(group.get("mode", "owner"))
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
@@ -165,11 +200,22 @@ def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool)
     )
 
 
-def _check_split_sizes(p: Tensor, name: str, split_sizes: Sequence[int] | None, experts: bool) -> None:
-    rows = p.shape[1] if experts and p.ndim == 3 else p.shape[0]
+def _check_split_sizes(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
+    split_sizes, head_dim = group.get("split_sizes"), group.get("head_dim")
+    rows = p.shape[1] if group.get("experts", False) and p.ndim == 3 else p.shape[0]
     if split_sizes and (sum(split_sizes) != rows or min(split_sizes) <= 0):
         raise ValueError(
             f"split_sizes {list(split_sizes)} of '{name}' must be positive and sum to its {rows} rows"
+        )
+    if head_dim is None:
+        return
+    blocks = list(split_sizes) if split_sizes else [rows]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim of '{name}' must be a positive int (rows per head) but is: {head_dim!r}")
+    if any(size % head_dim for size in blocks):
+        raise ValueError(
+            f"head_dim {head_dim} does not divide the row blocks {blocks} of '{name}'; give its "
+            "attention projections (rows = heads * head_dim) a param group of their own"
         )
 
 
@@ -181,7 +227,7 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
         _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
         if muon:
             check_placements(p, name)
-            _check_split_sizes(p, name, group.get("split_sizes"), group.get("experts", False))
+            _check_split_sizes(p, name, group)
 
 
 @dataclass(frozen=True)
@@ -292,6 +338,7 @@ def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> lis
 AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
     "ns_steps", "adjust_lr_fn", "ns_dtype", "mode", "max_round_bytes", "flatten", "experts", "split_sizes",
+    "head_dim",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 
