@@ -17,6 +17,9 @@ __all__ = ["DEFAULT_HEAD_NAMES", "split_params"]
 # Last component of the module path of common output heads (GPT-2/Llama "lm_head", torchtitan
 # "output", timm/torchvision "head", "fc", "classifier").
 DEFAULT_HEAD_NAMES = ("lm_head", "output", "head", "classifier")
+# Module path components added by torch.compile and activation checkpointing (DCP drops them too):
+# heads and patterns are matched without them, so a wrapped model splits as the plain one does.
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -55,12 +58,13 @@ def split_params(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        module_name = name.rsplit(".", 1)[0] if "." in name else ""
+        plain = ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+        module_name = plain.rsplit(".", 1)[0] if "." in plain else ""
         is_head = module_name.rsplit(".", 1)[-1] in head_names
         hidden = p.ndim == 2 and id(p) not in embeddings and not is_head
-        if _matches(name, adamw):
+        if _matches(plain, adamw):
             hidden = False
-        elif _matches(name, muon):
+        elif _matches(plain, muon):
             hidden = True
         groups["muon" if hidden else "adamw"].append((name, p))
     out: list[dict[str, Any]] = []

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from .._sharding import comm
+from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
 from .manifest import (
     CheckpointError,
@@ -76,6 +77,13 @@ def _state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
         return {"model": model_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _saved_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    """What a save writes: DCP's state, with parameter names free of wrapper components too."""
+    state = _state(model, optimizer)
+    unwrapped_param_names(state.get("optim", {}))
+    return state
 
 
 def _raise_together(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
@@ -208,7 +216,9 @@ def save_checkpoint(
     tmp, final = _prepare(Path(root), step, process_group)
     solo = _solo()
     with single_process(solo):
-        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=solo)
+        dcp.save(
+            _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=solo
+        )
     return _finalize(tmp, final, step, extra, keep_last, process_group)
 
 
@@ -255,7 +265,7 @@ def async_save_checkpoint(
     tmp, final = _prepare(Path(root), step, process_group, asynchronous=True)
     group = comm.save_group(process_group)
     future = dcp.async_save(
-        _state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
+        _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
     )
     return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group), final.resolve())
 
@@ -288,6 +298,7 @@ def load_checkpoint(
     optimizer: Optimizer | None = None,
     *,
     step: int | None = None,
+    optimizer_state: str = "load",
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any] | None:
     """Load ``step`` (default: the newest complete one) into ``model`` and ``optimizer``.
@@ -295,8 +306,12 @@ def load_checkpoint(
     Returns ``{"step": ..., **extra}``, or None when ``root`` holds no complete checkpoint. The
     world size and mesh may differ from the saving run's: DCP reshards. Before anything is loaded,
     files are verified against their checksums, the checkpoint's tensors against the model's and
-    its param groups against the optimizer's; a failure raises on every rank.
+    its param groups against the optimizer's; a failure raises on every rank. ``optimizer_state``:
+    ``"load"`` (default) loads the optimizer's state and refuses a checkpoint without it;
+    ``"fresh"`` loads the weights alone and restarts ``optimizer`` (zero momentum, step 0), as when
+    switching from another optimizer.
     """
+    fresh = check_optimizer_state(optimizer_state, optimizer)
     chosen, error = comm.broadcast_object(
         _attempt(lambda: step if step is not None else latest_step(root)), process_group
     )
@@ -306,7 +321,7 @@ def load_checkpoint(
         return None
     folder = step_dir(root, chosen)
     manifest = _verify(folder, process_group)
-    state = _state(model, optimizer)
+    state = _state(model, None if fresh else optimizer)
     _raise_together(_attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
     # Partial load: hyperparameter entries a torch.optim.Muon / AdamW checkpoint lacks ("algorithm")
     # keep their current values; every tensor and every group was checked above.
@@ -314,11 +329,25 @@ def load_checkpoint(
     solo = _solo()
     with single_process(solo):
         dcp.load(state, checkpoint_id=str(folder), process_group=process_group, planner=planner, no_dist=solo)
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _apply(state, model, optimizer, fresh)
+    if fresh and comm.rank_and_size(process_group)[0] == 0:
+        log.warning(
+            "load_checkpoint(optimizer_state='fresh'): loaded the model weights of %s; the optimizer "
+            "starts fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used",
+            folder,
+        )
     return {"step": chosen, **manifest.get("extra", {})}
+
+
+def _apply(state: dict[str, Any], model: nn.Module, optimizer: Optimizer | None, fresh: bool) -> None:
+    """Hand the loaded state to the model (and the optimizer, unless it starts fresh)."""
+    if optimizer is None or fresh:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        if optimizer is not None:
+            start_fresh(optimizer)
+        return
+    keep_param_names(state["optim"], optimizer)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:

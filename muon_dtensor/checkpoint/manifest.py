@@ -23,6 +23,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ._fresh import FRESH_HINT
+
 __all__ = [
     "MANIFEST",
     "CheckpointError",
@@ -218,16 +220,29 @@ def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
     wanted = _tensor_keys(flat_state)
     missing, unexpected = wanted.keys() - saved.keys(), saved.keys() - wanted.keys()
     if missing or unexpected:
+        why, hint = _optimizer_only(missing | unexpected)
         raise CheckpointError(
-            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}. "
+            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}{why}. "
             "Missing from the checkpoint: "
             f"{_short(missing) or 'nothing'}. Unexpected in the checkpoint: {_short(unexpected) or 'nothing'}. "
-            "Nothing was loaded."
+            f"Nothing was loaded.{hint}"
         )
     wrong = [f"{k}: saved {saved[k]}, expected {wanted[k]}" for k in sorted(wanted) if saved[k] != wanted[k]]
     if wrong:
         raise CheckpointError(f"{folder}: shape mismatch: {_short(wrong)}. Nothing was loaded.")
     _check_groups(folder, flat_state, everything)
+
+
+def _optimizer_only(keys: Iterable[str]) -> tuple[str, str]:
+    """What the error says, and the way out, when the weights match and only the optimizer state
+    does not; nothing when the weights differ too."""
+    if any(_part(k) != "optim" for k in keys):
+        return "", ""
+    why = (
+        ": the weights match, the optimizer state does not (the checkpoint was saved with another "
+        "optimizer or other param groups, or without an optimizer)"
+    )
+    return why, f" {FRESH_HINT}"
 
 
 def _groups(entries: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
@@ -284,12 +299,13 @@ def _check_groups(folder: Path, flat_state: Mapping[str, Any], metadata: Metadat
     if theirs and len(ours) != len(theirs):
         raise CheckpointError(
             f"{folder}: the optimizer was saved with {len(theirs)} param group(s) but has {len(ours)}; "
-            "build it with the same groups (e.g. the same split_params call). Nothing was loaded."
+            "build it with the same groups (e.g. the same split_params call). Nothing was loaded. "
+            + FRESH_HINT
         )
     problems = [p for i in sorted(ours) for p in _group_problems(i, ours[i], theirs.get(i, {}))]
     if problems:
         raise CheckpointError(
             f"{folder}: the optimizer's param groups are not the checkpoint's: {'; '.join(problems)}. "
             "Build it with the same groups in the same order (e.g. the same split_params call). "
-            "Nothing was loaded."
+            "Nothing was loaded. " + FRESH_HINT
         )

@@ -2,14 +2,16 @@
 
 - ``export_safetensors``: model weights of a DCP checkpoint folder to ``model.safetensors`` (or
   shards plus ``model.safetensors.index.json``), offline, in one process, no process group.
-- ``load_safetensors``: fill a (sharded) model from such files; each rank reads only the rows and
-  columns of its own block, so no rank materializes a full sharded matrix.
+- ``load_safetensors``: fill a (sharded) model from such files (``save_pretrained``'s too); each rank
+  reads only the rows and columns of its own block, so no rank materializes a full sharded matrix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,9 @@ from .manifest import CheckpointError
 __all__ = ["export_safetensors", "load_safetensors"]
 
 INDEX = "model.safetensors.index.json"
+# Module path components of torch.compile (OptimizedModule) and activation checkpointing
+# (CheckpointWrapper), which DCP's get_state_dict also drops.
+WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 
 def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -94,44 +99,100 @@ def export_safetensors(
     return paths
 
 
-def _file_of(folder: Path) -> dict[str, Path]:
-    index = folder / INDEX
+def _file_of(path: Path) -> dict[str, Path]:
+    """Tensor name -> file: from ``path`` itself (a ``.safetensors`` file), or in the folder ``path``
+    from its index or its single ``model.safetensors``."""
+    index = path / INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
+        return {name: path / file for name, file in weight_map.items()}
+    single = path if path.is_file() else path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(
+            f"{path}: no safetensors file there (neither model.safetensors nor {INDEX}); pass the "
+            "folder save_pretrained or export_safetensors wrote, or a .safetensors file"
+        )
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
 
 
-@torch.no_grad()
-def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
-    """Copy weights from safetensors files into ``model``'s (possibly sharded) parameters."""
-    files = _file_of(Path(folder))
-    params = dict(model.named_parameters())
-    missing, unexpected = params.keys() - files.keys(), files.keys() - params.keys()
+def _unwrapped(name: str) -> str:
+    """``name`` without the components wrappers add, as DCP's get_state_dict writes FQNs."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``model.state_dict()`` holds, by unwrapped FQN: parameters (a tied one once, under its
+    first name) and persistent buffers."""
+    out: dict[str, torch.Tensor] = {_unwrapped(name): p for name, p in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out.setdefault(_unwrapped(f"{prefix}.{name}" if prefix else name), buffer)
+    return out
+
+
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the file headers alone."""
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})  # noqa: SIM118
+    return shapes
+
+
+def _check_names(
+    where: Path, targets: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], strict: bool
+) -> None:
+    """CheckpointError naming the FQNs, before anything is copied, on every rank alike."""
+    missing, unexpected = targets.keys() - shapes.keys(), shapes.keys() - targets.keys()
     if strict and (missing or unexpected):
         raise CheckpointError(
-            f"{folder}: missing {sorted(missing) or 'nothing'}, unexpected {sorted(unexpected) or 'nothing'}"
+            f"{where} does not match the model (names without the {'/'.join(WRAPPERS)} wrapper parts). "
+            f"Missing from the files: {_listed(missing)}. Unexpected in the files: {_listed(unexpected)}. "
+            "Nothing was loaded; pass strict=False to load the names both have."
         )
-    for name, p in params.items():
-        if name not in files:
-            continue
-        with safe_open(str(files[name]), framework="pt") as f:
-            piece = f.get_slice(name)
-            shape = tuple(piece.get_shape())
-            if shape != tuple(p.shape):
-                raise CheckpointError(
-                    f"{files[name]}: '{name}' has shape {shape}, the model {tuple(p.shape)}"
-                )
-            layout = layout_of(p, name)
-            local_of(p).copy_(_read_block(piece, layout.blocks[layout.rank], shape))
+    wrong = [
+        f"{name}: {shapes[name]} in the files, {tuple(t.shape)} in the model"
+        for name, t in targets.items()
+        if name in shapes and shapes[name] != tuple(t.shape)
+    ]
+    if wrong:
+        raise CheckpointError(f"{where}: shape mismatch: {_listed(wrong)}. Nothing was loaded.")
 
 
-def _read_block(piece: Any, block: Block, shape: tuple[int, ...]) -> torch.Tensor:
+def _listed(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return shown or "nothing"
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
+    """Copy weights from safetensors files into ``model``'s (possibly sharded) parameters and
+    persistent buffers. Names are matched without wrapper components (``_orig_mod.``,
+    ``_checkpoint_wrapped_module.``); every name and shape is checked before anything is copied."""
+    files = _file_of(Path(folder))
+    targets = _targets(model)
+    _check_names(Path(folder), targets, _shapes(files), strict)
+    # Every layout before any copy (collective, in model order on every rank; may refuse a placement).
+    todo = [(name, t, layout_of(t, name)) for name, t in targets.items() if name in files]
+    with contextlib.ExitStack() as stack:
+        opened = {
+            file: stack.enter_context(safe_open(str(file), framework="pt"))
+            for file in sorted(set(files.values()))
+        }
+        for name, t, layout in todo:
+            local = local_of(t)
+            if local.numel():  # an empty FSDP2 piece may be (0, 0) where the block is (0, n)
+                block = _read_block(opened[files[name]].get_slice(name), layout.blocks[layout.rank], t.shape)
+                local.copy_(block)  # cast to the model's dtype, as load_state_dict does
+
+
+def _read_block(piece: Any, block: Block, shape: Sequence[int]) -> torch.Tensor:
     """Read only ``block``'s rows and columns (one interval per dimension for Shard layouts)."""
     if not shape:
-        return piece[:]
+        return piece[()]  # a 0-d tensor (a step counter): ``[:]`` cannot slice it
     if all(len(dim) == 1 for dim in block):
         return piece[tuple(slice(start, stop) for ((start, stop),) in block)]
     out = piece[:]  # interleaved pieces: read whole, then keep this block's indices
