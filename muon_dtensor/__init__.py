@@ -6,6 +6,7 @@ from ._sharding.plan import MatrixEntry, Plan, build_plan
 from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz
 from .optimizer import ADAMW_DEFAULTS, Muon
 from .param_groups import split_params
+from .qk_clip import QKClipFactors, qk_clip_, qk_clip_factors
 from .validation import resolve_ns_config
 
 __all__ = [
@@ -16,8 +17,11 @@ __all__ = [
     "Muon",
     "NSConfig",
     "Plan",
+    "QKClipFactors",
     "build_plan",
     "newton_schulz",
+    "qk_clip_",
+    "qk_clip_factors",
     "resolve_ns_config",
     "split_params",
 ]

@@ -34,6 +34,8 @@ __all__ = [
     "first_error",
     "gather_objects",
     "gather_over_scope",
+    "max_over_group",
+    "max_over_mesh",
     "rank_and_size",
     "save_group",
     "start_all_to_all",
@@ -109,6 +111,29 @@ def _sum_on_host(counts: Tensor, groups: Sequence[dist.ProcessGroup], device_typ
     for group in groups:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out if on_host else out.cpu()
+
+
+def max_over_mesh(values: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Elementwise max of a float tensor over every rank of ``mesh``, one all-reduce per mesh axis
+    (QK-Clip's per-head max logits: every rank must scale by the same factors). Returns a CPU copy.
+    MAX is exact and order-free, so every rank holds the same bits."""
+    groups = [mesh.get_group(a) for a in range(mesh.ndim) if mesh.size(a) > 1]
+    return _max_on_host(values, groups, mesh.device_type)
+
+
+def max_over_group(values: Tensor, group: dist.ProcessGroup | None, device_type: str = "cpu") -> Tensor:
+    """``max_over_mesh`` over a process group (None: the default group)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    return _max_on_host(values, [group] if dist.get_world_size(group) > 1 else [], device_type)
+
+
+def _max_on_host(values: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str) -> Tensor:
+    """On the host where every group has a CPU backend (a few floats), else through the device."""
+    on_host = all(has_cpu_backend(g) for g in groups)
+    out = values.detach().cpu().clone() if on_host else values.detach().to(device_type, copy=True)
+    for group in groups:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.cpu()
 
 
 @functools.cache

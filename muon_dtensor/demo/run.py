@@ -27,7 +27,7 @@ import torch
 from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.demo.launch import RankError, run_ranks
 
-from . import report
+from . import qk_clip, report
 from .cpu import CpuProbe, probe
 from .model import ModelConfig, TinyLM
 from .parallel import LAYOUTS, demo_shape, layout_problem
@@ -63,6 +63,16 @@ def _parser() -> argparse.ArgumentParser:
         "to 1 are bitwise, other world sizes drift by float rounding, more in longer runs)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
+    p.add_argument(
+        "--qk-clip",
+        type=float,
+        nargs="?",
+        const=qk_clip.DEFAULT_THRESHOLD,
+        default=None,
+        metavar="TAU",
+        help="QK-Clip after every step at threshold TAU (default TAU 5.0: this model's largest logit grows "
+        "from about 1 to 8) and print the largest logit before and after clipping",
+    )
     return p
 
 
@@ -71,6 +81,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--tolerance should be >= 0 but is {args.tolerance}"
     if args.steps < 4:
         return f"--steps should be at least 4 but is {args.steps}"
+    if args.qk_clip is not None and not 0 < args.qk_clip < math.inf:
+        return f"--qk-clip should be a finite number > 0 but is {args.qk_clip}; try --qk-clip 5"
     for name in ("world_size", "resume_world_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} should be at least 1 but is {getattr(args, name)}"
@@ -93,6 +105,7 @@ def _base(args: argparse.Namespace, optimizer: str, ns_dtype: str) -> RunSpec:
         crash_at=min(save_at + 2, args.steps),
         progress=str(args.out / ".progress"),
         ns_dtype=ns_dtype,
+        qk_clip=args.qk_clip,
     )
 
 
@@ -216,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu = probe() if backend.startswith("gloo") else None
     ns_dtype, why = precision(cpu)
     print(_header(args, backend) + why + "\n", flush=True)
+    if args.qk_clip is not None:
+        print(
+            f"QK-Clip at threshold {args.qk_clip:g} after every step of every run, both optimizers.",
+            flush=True,
+        )
     ours = _scenario(args, "muon_dtensor", 1, ns_dtype)
     ok = _show_ours(args, ours)
     print(
@@ -226,10 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     theirs = _scenario(args, "round_robin", 4, ns_dtype)
     _show_twins(args, ours, theirs)
+    if args.qk_clip is not None:
+        _show_clip(args, ours)
     seconds = time.perf_counter() - start
     _write(args, ours, theirs, seconds, cpu)
     print(f"\ndone in {seconds:.0f} s")
     return 0 if ok else 1
+
+
+def _show_clip(args: argparse.Namespace, ours: report.Outcome) -> None:
+    cfg = ModelConfig()
+    print("\n" + qk_clip.describe(args.qk_clip))
+    print(f"\nmuon_dtensor's uninterrupted run ({report.ranks(args.world_size)}):\n")
+    print(qk_clip.table(ours.straight["qk_clip"], cfg.layers * cfg.heads))
+    same = qk_clip.same_after_resume(ours.straight, ours.resumed)
+    how = (
+        "exactly as its twin at every step after the resume (same logits, same heads)"
+        if same
+        else "NOT as its twin"
+    )
+    print(f"\nThe resumed run ({report.ranks(args.resume_world_size)}) clipped {how}.")
 
 
 def _cpu() -> tuple[str, set[str]]:
@@ -263,12 +297,17 @@ def environment() -> dict[str, Any]:
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments as JSON values of their own types (paths as strings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    """The arguments as JSON values of their own types (paths as strings); ``qk_clip`` only when given,
+    so a run without it writes what it always wrote."""
+    out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if out.get("qk_clip") is None:
+        out.pop("qk_clip", None)
+    return out
 
 
 def _summary(outcome: report.Outcome) -> dict[str, Any]:
-    return {
+    clip = {"qk_clip": outcome.straight["qk_clip"]} if "qk_clip" in outcome.straight else {}
+    return clip | {
         "losses_uninterrupted": outcome.straight["losses"],
         "losses_resumed": outcome.resumed["losses"],
         "largest_parameter_difference": {s: outcome.difference(s) for s in sorted(outcome.resumed["params"])},

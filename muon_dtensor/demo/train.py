@@ -29,6 +29,7 @@ from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from .data import corpus, micro_batches, tokens
 from .model import ModelConfig, TinyLM
 from .parallel import build_mesh, data_parallel, demo_shape, device_type, shard_model
+from .qk_clip import StepClip
 from .round_robin import RoundRobinSession
 
 __all__ = ["ADAMW", "ADAMW_NAMES", "LR", "WEIGHT_DECAY", "RunSpec", "ShardedSession", "train"]
@@ -55,6 +56,7 @@ class RunSpec:
     progress: str | None = None  # rank 0 writes "step total" here after each step
     ns_dtype: str = "bfloat16"  # Newton-Schulz dtype; "float32" where bf16 is emulated (demo/cpu.py)
     model: ModelConfig = field(default_factory=ModelConfig)
+    qk_clip: float | None = None  # QK-Clip threshold after every step (``--qk-clip``), or None
 
 
 class ShardedSession:
@@ -117,18 +119,26 @@ def _session(spec: RunSpec) -> ShardedSession | RoundRobinSession:
     return ShardedSession(model, spec.layout, spec.ns_dtype)
 
 
+def my_micro_batches(
+    session: ShardedSession | RoundRobinSession, data: torch.Tensor, step: int, spec: RunSpec
+) -> list[torch.Tensor]:
+    """This data-parallel rank's share of the step's micro-batches, on the device."""
+    micros = micro_batches(data, step, spec.micro_batches, spec.micro_size, spec.model.seq)
+    share = spec.micro_batches // session.dp_size
+    mine = micros[session.dp_rank * share : (session.dp_rank + 1) * share]
+    return [m.to(device_type()) for m in mine]
+
+
 def train_step(
     session: ShardedSession | RoundRobinSession, data: torch.Tensor, step: int, spec: RunSpec
 ) -> float:
     """One optimizer step on this rank's share of the micro-batches; returns the global mean loss."""
-    micros = micro_batches(data, step, spec.micro_batches, spec.micro_size, spec.model.seq)
-    share = spec.micro_batches // session.dp_size
     # Both sessions end with the sum over all micro-batches of grad / micro_batches (FSDP divides by
     # the data-parallel size itself; with power-of-two sizes every scaling is exact).
     scale = (1 if session.sums_gradients else session.dp_size) / spec.micro_batches
     losses = []
-    for tokens_ in micros[session.dp_rank * share : (session.dp_rank + 1) * share]:
-        loss = session.model.loss(tokens_.to(device_type()))  # type: ignore[operator]
+    for tokens_ in my_micro_batches(session, data, step, spec):
+        loss = session.model.loss(tokens_)  # type: ignore[operator]
         (loss * scale).backward()
         losses.append(loss.detach().float().cpu())
     session.update()
@@ -175,8 +185,13 @@ def train(spec: RunSpec) -> dict[str, Any] | None:
     record_from = spec.record_from
     if record_from is not None and record_from <= start:
         _record(session, out, start)
+    clip = None if spec.qk_clip is None else StepClip(session.model, spec.qk_clip)
     for step in range(start + 1, spec.steps + 1):
+        if clip is not None:
+            clip.start()
         out["losses"][step] = train_step(session, data, step, spec)
+        if clip is not None:
+            out.setdefault("qk_clip", {})[step] = clip.finish(my_micro_batches(session, data, step, spec))
         if record_from is not None and step >= record_from:
             _record(session, out, step)
         if step == spec.save_at:
