@@ -8,22 +8,27 @@ what lets an owner rank orthogonalize any subset of matrices and still match a o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "ALGORITHMS",
     "BAND_INPUT_FLOOR",
     "DEFAULT_COEFFICIENTS",
+    "GRAM_DRIFT_LIMIT",
     "NSConfig",
     "PRESETS",
     "PRESET_BANDS",
     "newton_schulz",
+    "gram_segments",
     "ns_flops",
     "orthogonalize",
+    "orthogonalize_flops",
     "scalar_map",
+    "uses_gram",
 ]
 
 Triple = tuple[float, float, float]
@@ -55,16 +60,19 @@ _POLAR_EXPRESS: tuple[Triple, ...] = (
 
 @dataclass(frozen=True)
 class NSConfig:
-    """What an orthogonalization needs: one (a, b, c) triple per iteration and the input scaling.
+    """What an orthogonalization needs: one (a, b, c) triple per iteration, the input scaling and
+    how the iterations are evaluated.
 
     ``norm_scale`` multiplies the Frobenius norm before dividing by it; Polar Express uses 1.02 so the
-    spectral norm is safely below 1 in bfloat16.
+    spectral norm is safely below 1 in bfloat16. ``algorithm``: ``"standard"`` (torch's iteration) or
+    ``"gram"`` (the same polynomial evaluated on the small Gram matrix where that saves flops).
     """
 
     coefficients: tuple[Triple, ...]
     eps: float = 1e-7
     norm_scale: float = 1.0
     dtype: torch.dtype = torch.bfloat16
+    algorithm: str = "standard"
 
 
 # name -> (per-step triples, norm_scale). Singular-value bands are checked in tests against float64 SVD.
@@ -85,6 +93,42 @@ PRESET_BANDS: dict[str, tuple[float, float]] = {
     "polar_express": (0.858, 1.142),
 }
 
+# How ``ns_algorithm`` evaluates the iterations: "standard" is torch's; "gram" runs the same
+# polynomial on the small Gram matrix (Gram Newton-Schulz, Zhang, Amsel, Chen, Dao 2026,
+# https://github.com/Dao-AILab/gram-newton-schulz/blob/main/gram_newton_schulz/gram_newton_schulz.py,
+# which runs it in float16 with one restart; microsoft/dion uses that package).
+ALGORITHMS = ("standard", "gram")
+# Rounding gives the Gram matrix R of an ill-conditioned input eigenvalues slightly below zero, and
+# each update R <- P R P multiplies them by about a^2 (P = a I + b R + c R^2 near a small eigenvalue):
+# the output leaves its band (in bfloat16, largest singular values of 1.4 with one restart, 1e6 to
+# 1e17 with none). A restart recomputes R from the true X. The rule: restart before an update would
+# make the product of the a^2 since the last restart, times the dtype's machine epsilon, exceed
+# GRAM_DRIFT_LIMIT. In bfloat16 that allows one update per restart (Keller: restarts before
+# iterations 2 and 4 of 5; Polar Express, a = 8.16 first: 1 and 3); in float32, 5 steps need none.
+# Measured: docs/benchmarks.md, "Gram Newton-Schulz".
+GRAM_DRIFT_LIMIT = 0.16
+
+
+def gram_segments(config: NSConfig) -> list[range]:
+    """The iterations the Gram form runs between restarts (``GRAM_DRIFT_LIMIT``)."""
+    eps = torch.finfo(config.dtype).eps
+    starts, growth = [0], 1.0
+    for k in range(1, len(config.coefficients)):
+        a = config.coefficients[k - 1][0]  # the update of R between iterations k - 1 and k
+        growth *= a * a
+        if growth * eps > GRAM_DRIFT_LIMIT:
+            starts.append(k)
+            growth = 1.0
+    bounds = [*starts, len(config.coefficients)]
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def uses_gram(shape: Sequence[int], config: NSConfig) -> bool:
+    """Whether ``newton_schulz`` evaluates this shape in the Gram form: asked for and fewer flops
+    (with 5 steps, long side over 1.5x the short one; square matrices stay standard)."""
+    steps = len(config.coefficients)
+    return config.algorithm == "gram" and _gram_flops(shape, gram_segments(config)) < ns_flops(shape, steps)
+
 
 def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     """Orthogonalize a matrix ``[m, n]`` or each matrix of a batch ``[B, m, n]``; returns
@@ -96,7 +140,9 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     ``bmm``/``baddbmm`` twins). A tall matrix runs the same polynomial from the right,
     ``X <- a X + X (b A + c A A)`` with ``A = X^T X``, instead of transposing in and out: the same
     math and flops, but a contiguous result, so slicing and scaling it are plain copies
-    (docs/benchmarks.md). Its bits may differ from torch's within bf16 rounding.
+    (docs/benchmarks.md). Its bits may differ from torch's within bf16 rounding. Where
+    ``uses_gram`` says so, runs of iterations between restarts (``gram_segments``) are evaluated in
+    the Gram form (``_gram_segment``).
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects [m, n] or [B, m, n] but got shape {tuple(x.shape)}")
@@ -107,16 +153,50 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     if config.norm_scale != 1.0:
         norm = norm * config.norm_scale
     y = y.div(norm.clamp(min=config.eps))
-    for a, b, c in config.coefficients:
-        if tall:
-            gram = mm(y.mT, y)
-            poly = addmm(gram, gram, gram, beta=b, alpha=c)
-            y = addmm(y, y, poly, beta=a)
-        else:
-            gram = mm(y, y.mT)
-            poly = addmm(gram, gram, gram, beta=b, alpha=c)
-            y = addmm(y, poly, y, beta=a)
+    steps = range(len(config.coefficients))
+    segments = gram_segments(config) if uses_gram(y.shape[-2:], config) else [range(i, i + 1) for i in steps]
+    for segment in segments:
+        triples = [config.coefficients[i] for i in segment]
+        # A lone iteration costs the same either way; the standard step rounds less.
+        step = _gram_segment if len(triples) > 1 else _standard_step
+        y = step(y, triples, mm, addmm, tall)
     return y
+
+
+def _standard_step(
+    y: Tensor, triples: Sequence[Triple], mm: Callable[..., Tensor], addmm: Callable[..., Tensor], tall: bool
+) -> Tensor:
+    """One iteration, torch's calls: ``a X + (b A + c A A) X`` (from the right when tall)."""
+    ((a, b, c),) = triples
+    gram = mm(y.mT, y) if tall else mm(y, y.mT)
+    poly = addmm(gram, gram, gram, beta=b, alpha=c)
+    return addmm(y, y, poly, beta=a) if tall else addmm(y, poly, y, beta=a)
+
+
+def _gram_segment(
+    y: Tensor, triples: Sequence[Triple], mm: Callable[..., Tensor], addmm: Callable[..., Tensor], tall: bool
+) -> Tensor:
+    """``len(triples)`` iterations on ``y`` in the Gram form, for a wide ``y`` (a tall one mirrored).
+
+    Every iterate is ``Q y`` with ``Q`` a polynomial in ``R = y y^T``, so the iteration can run on
+    the small matrices alone: with ``Z = b R + c R R`` and ``P = a I + Z`` (the step's polynomial),
+    ``Q <- P Q`` and ``R <- P R P``; ``y`` is multiplied once, at the end. Products are written as
+    ``a M + Z M`` (one ``addmm``) so ``a`` is added in the product's accumulator, as the standard
+    step adds ``a X``; only the segment's first ``Q = a I + Z`` is rounded on its diagonal.
+    """
+    r = mm(y.mT, y) if tall else mm(y, y.mT)
+    q = r
+    for k, (a, b, c) in enumerate(triples):
+        z = addmm(r, r, r, beta=b, alpha=c)
+        if k == 0:
+            q = z.clone()
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            q = addmm(q, q, z, beta=a) if tall else addmm(q, z, q, beta=a)
+        if k + 1 < len(triples):  # the segment's last R is never read
+            rz = addmm(r, z, r, beta=a)
+            r = addmm(rz, rz, z, beta=a)
+    return mm(y, q) if tall else mm(q, y)
 
 
 def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
@@ -143,7 +223,23 @@ def scalar_map(singular_values: Tensor, config: NSConfig) -> Tensor:
 
 
 def ns_flops(shape: Sequence[int], steps: int = 1) -> int:
-    """Flops of ``steps`` iterations on one matrix: 4 m^2 n + 2 m^3 each, m <= n (A = X X^T costs
-    2 m^2 n, A A 2 m^3, the product with X 2 m^2 n)."""
+    """Flops of ``steps`` standard iterations on one matrix: 4 m^2 n + 2 m^3 each, m <= n
+    (A = X X^T costs 2 m^2 n, A A 2 m^3, the product with X 2 m^2 n)."""
     m, n = sorted((int(shape[0]), int(shape[1])))
     return steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def orthogonalize_flops(shape: Sequence[int], config: NSConfig) -> int:
+    """Flops of ``newton_schulz`` on one matrix of ``shape``: the standard iteration's, or the Gram
+    form's where ``uses_gram``. What owner balancing and the cost model should count."""
+    steps = len(config.coefficients)
+    if uses_gram(shape, config):
+        return _gram_flops(shape, gram_segments(config))
+    return ns_flops(shape, steps)
+
+
+def _gram_flops(shape: Sequence[int], segments: Sequence[range]) -> int:
+    """Each segment of L iterations: R = X X^T and the closing Q X, 2 m^2 n each; Z = b R + c R R
+    2 m^3 per iteration, Q <- a Q + Z Q 2 m^3 after the first, R <- P R P 4 m^3 before the last."""
+    m, n = sorted((int(shape[0]), int(shape[1])))
+    return sum(4 * m * m * n + (8 * len(seg) - 6) * m**3 for seg in segments)

@@ -56,6 +56,9 @@ class Muon(Optimizer):
             (0.2 sqrt(max(rows, cols))), "spectral" (sqrt(rows/cols)), or a number r, the update
             RMS to match (r sqrt(max(rows, cols))); from the global shape (default: None).
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
+        ns_algorithm: "standard" (torch's iteration; default) or "gram" (the same polynomial on the
+            small Gram matrix, with restarts; it runs where it needs fewer flops, with 5 steps on
+            matrices whose long side is over 1.5x the short one, the others run "standard").
         mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
         process_group: the ranks that hold replicated plain parameters (DDP); they split the
@@ -82,13 +85,18 @@ class Muon(Optimizer):
         adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
+        ns_algorithm: str = "standard",
         mode: str = "owner",
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
-            zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, mode=mode, max_round_bytes=max_round_bytes
+            zip(_TORCH_KEYS, values),
+            **_VIEW_DEFAULTS,
+            ns_algorithm=ns_algorithm,
+            mode=mode,
+            max_round_bytes=max_round_bytes,
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)

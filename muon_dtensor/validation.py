@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ._sharding.comm import gather_over_scope, sum_over_scopes
 from ._sharding.param_layout import check_placements, same_layout
 from .elementwise import ADJUST_LR
-from .newton_schulz import PRESETS, NSConfig, Triple
+from .newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
 
 __all__ = [
     "AGREED_KEYS",
@@ -117,7 +117,8 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     _check_adjust_lr(group["adjust_lr_fn"])
     check_mode(group.get("mode", "owner"))
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
-    return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+    algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
+    return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
 
 
 def check_group(group: Mapping[str, Any]) -> NSConfig | None:
@@ -155,12 +156,19 @@ def resolve_ns_config(
     ns_steps: int,
     eps: float,
     dtype: torch.dtype = torch.bfloat16,
+    algorithm: str = "standard",
 ) -> NSConfig:
     """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
 
     A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
     ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
+    ``algorithm`` is the optimizer's ``ns_algorithm``, one of ``ALGORITHMS``.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"ns_algorithm should be 'standard' or 'gram' but is: {algorithm!r}; 'gram' evaluates the "
+            "same Newton-Schulz polynomial on the small Gram matrix"
+        )
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if ns_steps < 0:
@@ -181,7 +189,7 @@ def resolve_ns_config(
         if not steps:
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
     per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
-    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype)
+    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
 
 
 def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool) -> None:
@@ -337,8 +345,8 @@ def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> lis
 # in order. AdamW groups of plain tensors are stepped locally, so they may differ.
 AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
-    "ns_steps", "adjust_lr_fn", "ns_dtype", "mode", "max_round_bytes", "flatten", "experts", "split_sizes",
-    "head_dim",
+    "ns_steps", "adjust_lr_fn", "ns_dtype", "ns_algorithm", "mode", "max_round_bytes", "flatten", "experts",
+    "split_sizes", "head_dim",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 

@@ -35,9 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
+
 from .._sharding.blocks import AxisShard, Block, block_numel, shard_blocks
 from .._sharding.plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
-from ..newton_schulz import ns_flops
+from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
 
 __all__ = [
@@ -213,13 +215,20 @@ def _round_comm(plan: Plan, rnd: Round, hw: Hardware, itemsize: int) -> tuple[fl
     return seconds, seconds if back else 0.0, sent
 
 
-def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, ns_steps: int) -> float:
+def _ns_config(ns_steps: int, itemsize: int, algorithm: str) -> NSConfig:
+    """The Newton-Schulz the model counts: torch's default coefficients, in the dtype of ``itemsize``
+    (the Gram form's restarts depend on both)."""
+    dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    return NSConfig((DEFAULT_COEFFICIENTS,) * ns_steps, dtype=dtype, algorithm=algorithm)
+
+
+def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, config: NSConfig) -> float:
     """The busiest rank's device seconds in a round: assemble its matrices, orthogonalize, pack results."""
     n, worst = plan.group_size, 0.0
     copies = 0 if n == 1 else (1 if plan.mode == "gather" else 2)  # assemble (+ pack back)
     for r in range(n):
         mine = rnd.owned_by(r)
-        flops = sum(ns_flops(plan.entries[m].shape, ns_steps) for m in mine)
+        flops = sum(orthogonalize_flops(plan.entries[m].shape, config) for m in mine)
         elems = sum(math.prod(plan.entries[m].shape) for m in mine)
         worst = max(worst, flops / hw.matmul_flops + copies * elems * impl.copy_bytes / hw.memory_bandwidth)
     return worst
@@ -262,18 +271,32 @@ def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tu
     return pre, ns_calls * (3 + 3 * ns_steps) + exchange + collectives, post
 
 
-def _phases(plan: Plan, hw: Hardware, impl: Implementation, ns_steps: int, itemsize: int) -> dict[str, float]:
+def _busiest_ns_flops(plan: Plan, config: NSConfig) -> int:
+    """Newton-Schulz flops of the busiest rank in a step: ``max(plan.loads) * ns_steps`` for the
+    standard iteration; the plan balances those, so a Gram step may be less even."""
+    per_rank = [0] * plan.group_size
+    for rnd in plan.rounds:
+        for r in range(plan.group_size):
+            shapes = [plan.entries[m].shape for m in rnd.owned_by(r)]
+            per_rank[r] += sum(orthogonalize_flops(s, config) for s in shapes)
+    return max(per_rank)
+
+
+def _phases(
+    plan: Plan, hw: Hardware, impl: Implementation, ns_steps: int, itemsize: int, algorithm: str
+) -> dict[str, float]:
     """Device and host seconds of the pre, mid and post phases, and the exchange's parts."""
     n = plan.group_size
     comm = [_round_comm(plan, rnd, hw, itemsize) for rnd in plan.rounds]
-    compute = [_round_compute(plan, rnd, hw, impl, ns_steps) for rnd in plan.rounds]
+    config = _ns_config(ns_steps, itemsize, algorithm)
+    compute = [_round_compute(plan, rnd, hw, impl, config) for rnd in plan.rounds]
     sent = [sum(c[2][r] for c in comm) for r in range(n)]
     preflight = hw.collective_latency if n > 1 else 0.0
     local = max(sum(block_numel(e.blocks[r]) for e in plan.entries) for r in range(n))
     pack = local * (n - 1) / n * (n if plan.mode == "gather" else 1)
     pre, mid, post = _host_ops(plan, impl, ns_steps, local)
     return {
-        "ns": max(plan.loads) * ns_steps / hw.matmul_flops,
+        "ns": _busiest_ns_flops(plan, config) / hw.matmul_flops,
         "comm": preflight + sum(c[0] + c[1] for c in comm),
         "collectives": (2 if plan.mode == "owner" else 1) * len(plan.rounds) + 1 if n > 1 else 0,
         "sent_mean": sum(sent) / n,
@@ -297,15 +320,18 @@ def predict(
     impl: Implementation = CURRENT,
     ns_steps: int = 5,
     itemsize: int = 2,
+    ns_algorithm: str = "standard",
 ) -> Prediction:
     """Predict one step. ``mode``: "owner", "gather", or "redundant" (Newton-Schulz of every matrix
-    on one device and nothing else: the cost every rank pays when each orthogonalizes everything)."""
+    on one device and nothing else: the cost every rank pays when each orthogonalizes everything).
+    ``ns_algorithm``: the optimizer's, "standard" or "gram" (``newton_schulz.orthogonalize_flops``)."""
     hw = hw or Hardware.h200()
     if mode == "redundant":
-        ns = sum(ns_flops(s, ns_steps) for s in shapes) / hw.matmul_flops
+        config = _ns_config(ns_steps, itemsize, ns_algorithm)
+        ns = sum(orthogonalize_flops(s, config) for s in shapes) / hw.matmul_flops
         return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0)
     plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
-    p = _phases(plan, hw, impl, ns_steps, itemsize)
+    p = _phases(plan, hw, impl, ns_steps, itemsize, ns_algorithm)
     if hw.async_host:  # the host runs ahead of the device; its post work hides behind the exchange
         total = max(p["pre_dev"], p["pre_host"]) + max(
             p["mid_dev"] + p["post_dev"], p["mid_host"] + p["post_host"]
