@@ -62,6 +62,10 @@ class Muon(Optimizer):
             Newton-Schulz work. Without it plain tensors are stepped locally.
         max_round_bytes: bytes of full matrices one pipelined exchange round carries, at least one
             matrix per rank; None: one round (default: 4 MiB, docs/benchmarks.md).
+        owners: for parameters a mesh both shards and replicates (HSDP): "mesh" (each matrix
+            orthogonalized once among all ranks of the mesh, results sent to every replica),
+            "replica" (once in every replica group, no traffic between replicas) or "auto" (the
+            cost model picks per mesh; default). Also a per-group key.
 
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
@@ -85,10 +89,15 @@ class Muon(Optimizer):
         mode: str = "owner",
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
+        owners: str = "auto",
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
-            zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, mode=mode, max_round_bytes=max_round_bytes
+            zip(_TORCH_KEYS, values),
+            **_VIEW_DEFAULTS,
+            mode=mode,
+            max_round_bytes=max_round_bytes,
+            owners=owners,
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
@@ -175,10 +184,12 @@ class Muon(Optimizer):
     def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
         """A Muon group's layouts, views and plans: built (collectively) on first use and again when
         its parameters or view options change."""
-        key = (tuple(map(id, group["params"])), ViewOptions.of(group))
+        owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
+        key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
         if index not in self._shardings or self._shardings[index][0] != key:
             names = validation.param_names(group, index)
-            self._shardings[index] = key, GroupSharding(group["params"], names, key[1], self._process_group)
+            sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners)
+            self._shardings[index] = key, sharding
         return self._shardings[index][1]
 
     def _muon_step(

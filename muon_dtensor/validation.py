@@ -27,6 +27,7 @@ __all__ = [
     "agree",
     "scope_entries",
     "MODES",
+    "OWNERS",
     "PreflightItem",
     "check_adamw_group",
     "check_algorithm",
@@ -34,6 +35,7 @@ __all__ = [
     "check_group",
     "check_mode",
     "check_muon_group",
+    "check_owners",
     "check_params",
     "ns_dtype_name",
     "param_names",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 MODES = ("owner", "gather")
+OWNERS = ("auto", "mesh", "replica")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -84,6 +87,14 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
 
 
+def check_owners(owners: Any) -> None:
+    if owners not in OWNERS:
+        raise ValueError(
+            f"owners should be 'auto', 'mesh' or 'replica' but is: {owners!r}; 'mesh' orthogonalizes "
+            "each matrix once over all replicas of an HSDP mesh, 'replica' once in every replica"
+        )
+
+
 def ns_dtype_name(dtype: torch.dtype | str) -> str:
     """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -116,6 +127,7 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
     _check_adjust_lr(group["adjust_lr_fn"])
     check_mode(group.get("mode", "owner"))
+    check_owners(group.get("owners", "auto"))
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
@@ -338,7 +350,7 @@ def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> lis
 AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
     "ns_steps", "adjust_lr_fn", "ns_dtype", "mode", "max_round_bytes", "flatten", "experts", "split_sizes",
-    "head_dim",
+    "head_dim", "owners",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .comm import sum_over_mesh
+from .owners import across_replicas
 from .param_layout import ParamLayout, layout_of
 from .plan import MatrixEntry, Plan, RoundRoute, build_plan, build_routes
 from .views import View, matrix_views
@@ -47,10 +48,10 @@ class Domain:
     members: tuple[tuple[int, int], ...]
 
 
-def _entry(view: View, group_size: int) -> MatrixEntry:
+def _entry(view: View, layout: ParamLayout) -> MatrixEntry:
     whole = ((0, view.shape[0]),), ((0, view.shape[1]),)
-    replicated = group_size > 1 and all(b == whole for b in view.blocks)
-    return MatrixEntry(view.shape, view.blocks, replicated=replicated)
+    replicated = layout.group_size > 1 and all(b == whole for b in view.blocks)
+    return MatrixEntry(view.shape, view.blocks, replicated=replicated, replica_of=layout.replica_of)
 
 
 def build_domains(
@@ -64,7 +65,7 @@ def build_domains(
     domains = []
     for members in grouped.values():
         layout = layouts[members[0][0]]
-        entries = [_entry(views[pos][vi], layout.group_size) for pos, vi in members]
+        entries = [_entry(views[pos][vi], layouts[pos]) for pos, vi in members]
         plan = build_plan(entries, layout.group_size, mode, max_round_bytes=max_round_bytes)
         domains.append(Domain(layout.group, plan, build_routes(plan, layout.rank), tuple(members)))
     return domains
@@ -72,7 +73,9 @@ def build_domains(
 
 class GroupSharding:
     """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
-    that has gradients (cached: the routing depends only on the plan and the rank)."""
+    that has gradients (cached: the routing depends only on the plan and the rank). ``owners``
+    (``"auto"``, ``"mesh"``, ``"replica"``) says where HSDP parameters find their owners
+    (``owners.across_replicas``; collective for ``"auto"``)."""
 
     def __init__(
         self,
@@ -80,13 +83,16 @@ class GroupSharding:
         names: Sequence[str],
         options: ViewOptions,
         ddp_group: dist.ProcessGroup | None,
+        owners: str = "replica",
     ) -> None:
         self.layouts: list[ParamLayout] = []
         self.views: list[list[View]] = []
+        self.across = across_replicas(params, owners, vars(options))
         error: ValueError | None = None
         for p, name in zip(params, names):
             try:
-                layout = layout_of(p, name, ddp_group)
+                across = isinstance(p, DTensor) and p.device_mesh in self.across
+                layout = layout_of(p, name, ddp_group, across=across)
                 views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
                 self.layouts.append(layout)
                 self.views.append(views)
