@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
         "to 1 are bitwise, other world sizes drift by float rounding, more in longer runs)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
+    p.add_argument(
+        "--normuon",
+        action="store_true",
+        help="muon_dtensor's Muon groups use NorMuon (rows normalized by a running second moment, "
+        "arXiv 2510.05491), exact under sharding; round-robin Muon stays plain Muon",
+    )
     return p
 
 
@@ -93,6 +99,7 @@ def _base(args: argparse.Namespace, optimizer: str, ns_dtype: str) -> RunSpec:
         crash_at=min(save_at + 2, args.steps),
         progress=str(args.out / ".progress"),
         ns_dtype=ns_dtype,
+        normuon=getattr(args, "normuon", False) and optimizer == "muon_dtensor",
     )
 
 
@@ -216,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = probe() if backend.startswith("gloo") else None
     ns_dtype, why = precision(cpu)
     print(_header(args, backend) + why + "\n", flush=True)
+    if getattr(args, "normuon", False):
+        print("NorMuon: muon_dtensor's Muon groups normalize each row of the update (--normuon).\n")
     ours = _scenario(args, "muon_dtensor", 1, ns_dtype)
     ok = _show_ours(args, ours)
     print(
