@@ -13,10 +13,11 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from . import validation
 from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
-from ._sharding.param_layout import local_grad, local_of, relayout
+from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
 from ._sharding.plan import DEFAULT_ROUND_BYTES
 from .functional import MuonHyper, adamw_step, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
+from .normuon import DEFAULT_BETA2
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
@@ -25,6 +26,9 @@ ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_de
 # torch.optim.Muon's arguments, in its order; then ours.
 _TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
 _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
+# NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
+_NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
+_SECOND = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
 
 
 class Muon(Optimizer):
@@ -70,7 +74,10 @@ class Muon(Optimizer):
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
     matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v);
-    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split).
+    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split);
+    ``"normuon": True`` normalizes each row of the orthogonalized update by a running second moment
+    (NorMuon, arXiv 2510.05491; decay ``"beta2"``, default 0.95; state ``"second_momentum_buffer"``),
+    computed exactly on the owner of the whole matrix (``muon_dtensor.normuon``).
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class Muon(Optimizer):
         defaults = dict(
             zip(_TORCH_KEYS, values),
             **_VIEW_DEFAULTS,
+            **_NORMUON_DEFAULTS,
             mode=mode,
             max_round_bytes=max_round_bytes,
             owners=owners,
@@ -147,6 +155,8 @@ class Muon(Optimizer):
         for key in keys:
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["algorithm"] == "muon" and group.get("normuon", False) and _SECOND not in state:
+            state[_SECOND] = row_state_zeros(p)  # one value per row, laid out with p
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
@@ -188,7 +198,10 @@ class Muon(Optimizer):
         key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
         if index not in self._shardings or self._shardings[index][0] != key:
             names = validation.param_names(group, index)
-            sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners)
+            for p in group["params"]:  # NorMuon switched on after construction: its state first
+                self._init_state(group, p)
+            seconds = [self.state[p].get(_SECOND) for p in group["params"]]
+            sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners, seconds)
             self._shardings[index] = key, sharding
         return self._shardings[index][1]
 
@@ -205,6 +218,9 @@ class Muon(Optimizer):
             MuonHyper.of(group),
             config,
             self.comm_stats,
+            second_moments=[local_of(self.state[p][_SECOND]) for p in params]
+            if group.get("normuon")
+            else None,
         )
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

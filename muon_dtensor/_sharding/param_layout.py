@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import zeros as dtensor_zeros
 
 from .._compat import _StridedShard
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
@@ -23,6 +24,7 @@ __all__ = [
     "layout_of",
     "relayout",
     "replica_count",
+    "row_state_zeros",
     "local_grad",
     "local_of",
     "same_layout",
@@ -203,10 +205,22 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
 
 
+def row_state_zeros(p: Tensor) -> Tensor:
+    """Zeros of shape ``p.shape[:-1] + (1,)`` in ``p``'s dtype (one value per row: NorMuon's second
+    moment), laid out with ``p``'s mesh and placements: a ``Shard`` of the last dimension puts the
+    single column on that axis's rank 0, exactly where ``p``'s column 0 is."""
+    shape = (*p.shape[:-1], 1)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+    return dtensor_zeros(shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=p.placements)
+
+
 def relayout(value: Tensor, old: Tensor, new: Tensor) -> Tensor:
-    """A state tensor of parameter ``old`` laid out like its replacement ``new``, in ``new``'s dtype
-    (a plain full tensor becomes ``new``'s local shard, cut locally). Scalars (step counters) stay."""
-    if value.ndim == 0 or tuple(value.shape) != tuple(old.shape):
+    """A state tensor of parameter ``old`` (its shape, or one column of it: ``row_state_zeros``) laid
+    out like its replacement ``new``, in ``new``'s dtype (a plain full tensor becomes ``new``'s local
+    shard, cut locally). Scalars (step counters) stay."""
+    shape = tuple(value.shape)
+    if value.ndim == 0 or shape not in (tuple(old.shape), (*old.shape[:-1], 1)):
         return value
     full = value.full_tensor() if isinstance(value, DTensor) else value
     full = full.to(device=new.device, dtype=new.dtype)
