@@ -7,10 +7,15 @@ then fused elementwise kernels (not built) and pessimistic hardware figures. Goa
 Llama-3-8B <= 130 ms on 8 H200s and <= 25 ms on 64; redundant Newton-Schulz is about 843 ms at any
 size. For one model and layout at a time, ``python -m muon_dtensor plan`` prints the same model.
 
+HSDP (issue 11): for each ``--hsdp`` layout (shards x replicas, default 8x8: 64 H200s, a shard
+group per node), owners per replica (every replica orthogonalizes every matrix: the step of one
+shard group), owners over the mesh (each matrix once in the mesh, results sent across nodes), the
+choice of ``owners="auto"``, and what-ifs. Goal (issue 11): Llama-3-8B on 8x8 <= 30 ms.
+
 Pure arithmetic (muon_dtensor/planning/costmodel.py); no GPU needed. Examples, from the repository root::
 
     python benchmarks/predict_h200.py
-    python benchmarks/predict_h200.py --ranks 8,16,32,64 --models llama3-8b,llama3-70b
+    python benchmarks/predict_h200.py --ranks 8,16,32,64 --models llama3-8b,llama3-70b --hsdp 8x8,8x4
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from muon_dtensor.planning.costmodel import (  # noqa: E402
 )
 
 MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
-GOALS_MS = {("llama3-8b", 8): 130.0, ("llama3-8b", 64): 25.0}
+GOALS_MS = {("llama3-8b", 8): 130.0, ("llama3-8b", 64): 25.0, ("llama3-8b", "8x8"): 30.0}
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "predict_h200.json"
 # Pessimistic figures: NS at ~60% of the datasheet's 989 TFLOP/s, links at 70% of peak, 10 us per op.
 PESSIMISTIC = Hardware.h200(
@@ -58,12 +63,23 @@ CASES: list[tuple[str, str, Implementation, Hardware]] = [
     ("owner, as built, pessimistic hardware", "owner", CURRENT, PESSIMISTIC),
     ("owner + fused, pessimistic hardware", "owner", FUSED, PESSIMISTIC),
 ]
+# HSDP: (label, owners, implementation, hardware)
+HSDP_CASES: list[tuple[str, str, Implementation, Hardware]] = [
+    ('owners="replica" (before)', "replica", CURRENT, Hardware.h200()),
+    ('owners="mesh", as built', "mesh", CURRENT, Hardware.h200()),
+    ('owners="auto" picks', "auto", CURRENT, Hardware.h200()),
+    ('owners="mesh", one round', "mesh", replace(CURRENT, max_round_bytes=None), Hardware.h200()),
+    ('owners="mesh" + fused elementwise (not built)', "mesh", FUSED, Hardware.h200()),
+    ('owners="mesh", pessimistic hardware', "mesh", CURRENT, PESSIMISTIC),
+    ('owners="replica", pessimistic hardware', "replica", CURRENT, PESSIMISTIC),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="8,64", help="comma-separated shard-group sizes (8,64)")
     p.add_argument("--models", default="llama3-8b,llama3-70b", help=f"of {sorted(MODELS)}")
+    p.add_argument("--hsdp", default="8x8", help="comma-separated shards x replicas layouts (8x8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     return p.parse_args(argv)
 
@@ -76,6 +92,20 @@ def rows_for(model: str, n: int) -> list[dict[str, Any]]:
         rows.append(
             {"model": model, "ranks": n, "case": label, "goal_ms": goal, "prediction": asdict(p)}
             | {"meets_goal": None if goal is None or mode != "owner" else p.total * 1e3 <= goal}
+        )
+    return rows
+
+
+def hsdp_rows(model: str, layout: str) -> list[dict[str, Any]]:
+    shards, replicas = (int(v) for v in layout.split("x"))
+    rows = []
+    for label, owners, impl, hw in HSDP_CASES:
+        p = predict(MODELS[model], shards, hw, impl=impl, replicas=replicas, owners=owners)
+        goal = GOALS_MS.get((model, layout))
+        case = f"HSDP {layout}, {label}" + (f": {p.owners}" if owners == "auto" else "")
+        rows.append(
+            {"model": model, "ranks": f"{shards * replicas} ({layout})", "case": case, "goal_ms": goal}
+            | {"prediction": asdict(p), "meets_goal": None if goal is None else p.total * 1e3 <= goal}
         )
     return rows
 
@@ -101,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = [
         r for m in args.models.split(",") for n in map(int, args.ranks.split(",")) for r in rows_for(m, n)
+    ]
+    rows += [
+        r for m in args.models.split(",") for lay in args.hsdp.split(",") if lay for r in hsdp_rows(m, lay)
     ]
     print("defaults: " + ", ".join(f"{k}={v:g}" for k, v in asdict(Hardware.h200()).items()))
     print(format_table(rows))

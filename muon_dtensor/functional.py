@@ -6,6 +6,10 @@
     place        each result's piece into the parameter's update  (views.View.place)
     update       p <- p (1 - lr wd) - adjusted_lr * O             (elementwise)
 
+NorMuon (``hyper.normuon``) changes only what travels and what the owner computes: a matrix carries
+its rows' second moment in leading columns (``normuon.pack``) from the ranks that hold it, the owner
+runs ``normuon.normuon_orthogonalize``, and ``finalize`` strips the new second moment into the state.
+
 Every operation is exact per element or a copy, so the layout never changes the arithmetic: a
 sharded step equals the one-process step bit for bit (docs/design.md).
 """
@@ -13,7 +17,7 @@ sharded step equals the one-process step bit for bit (docs/design.md).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -22,7 +26,7 @@ from torch import Tensor
 
 from ._sharding.comm import CommStats
 from ._sharding.domains import Domain
-from ._sharding.exchange import run_plan
+from ._sharding.exchange import Finalize, run_plan
 from ._sharding.views import View, whole_matrix
 from .elementwise import (
     adamw_update,
@@ -33,6 +37,7 @@ from .elementwise import (
     scale_results,
 )
 from .newton_schulz import NSConfig, orthogonalize
+from .normuon import DEFAULT_BETA2, normuon_orthogonalize, pack, unpack
 
 __all__ = ["MuonHyper", "adamw_step", "muon_step"]
 
@@ -44,12 +49,16 @@ class MuonHyper:
     momentum: float
     nesterov: bool
     adjust_lr_fn: str | float | None
+    normuon: bool = False
+    beta2: float = DEFAULT_BETA2
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> MuonHyper:
         """A param group's values (a tensor lr read once, as a float)."""
         keys = ("weight_decay", "momentum", "nesterov", "adjust_lr_fn")
-        return cls(float(group["lr"]), *(group[k] for k in keys))
+        hyper = cls(float(group["lr"]), *(group[k] for k in keys))
+        normuon = bool(group.get("normuon", False))
+        return replace(hyper, normuon=normuon, beta2=float(group.get("beta2", DEFAULT_BETA2)))
 
 
 def muon_step(
@@ -61,9 +70,18 @@ def muon_step(
     hyper: MuonHyper,
     config: NSConfig,
     stats: CommStats | None = None,
+    *,
+    second_moments: Sequence[Tensor] | None = None,
 ) -> None:
-    """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place."""
+    """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place; with
+    ``hyper.normuon``, also the local NorMuon ``second_moments`` (a column, or none on the ranks that
+    do not hold the parameter's column 0), and ``views`` are built with their ``lead`` columns."""
     ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
+    compute = partial(orthogonalize, config=config)
+    if hyper.normuon:
+        assert second_moments is not None, "a NorMuon step needs its second moments"
+        ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]
+        compute = partial(normuon_orthogonalize, config=config, beta2=hyper.beta2)
     # A parameter that is one matrix takes its result as its update as soon as its round is back;
     # the others (several matrices per parameter) assemble an update tensor first.
     assembled = {
@@ -73,11 +91,15 @@ def muon_step(
     }
     for domain in domains:
         pairs = [(pos, views[pos][vi]) for pos, vi in domain.members]
+        finalize: Finalize = partial(_finalize, pairs, params, assembled, hyper)
+        if hyper.normuon:
+            assert second_moments is not None
+            finalize = partial(_strip_second_moment, pairs, second_moments, finalize)
         run_plan(
             domain.routes,
             prepare=partial(_cut, pairs, ns_in),
-            compute=partial(orthogonalize, config=config),
-            finalize=partial(_finalize, pairs, params, assembled, hyper),
+            compute=compute,
+            finalize=finalize,
             group=domain.group,
             stats=stats,
         )
@@ -85,6 +107,31 @@ def muon_step(
     apply_updates(
         [params[i] for i in mine], list(assembled.values()), lr=hyper.lr, weight_decay=hyper.weight_decay
     )
+
+
+def _with_second_moment(v: Tensor, ns_in: Tensor) -> Tensor:
+    """The cut source of a NorMuon parameter: its packed second moment in front of its Newton-Schulz
+    input on the ranks that hold the column, the input alone elsewhere."""
+    return torch.cat([pack(v, ns_in.dtype), ns_in], dim=-1) if v.shape[-1] else ns_in
+
+
+def _strip_second_moment(
+    pairs: Sequence[tuple[int, View]],
+    second_moments: Sequence[Tensor],
+    finalize: Finalize,
+    members: Sequence[int],
+    results: Sequence[Tensor],
+) -> None:
+    """A NorMuon round's pieces: the new second moment (the lead columns of a holder's piece) into
+    the state's rows, the rest (``U``) on to the plain finalize."""
+    rest = []
+    for k, piece in zip(members, results):
+        pos, view = pairs[k]
+        if second_moments[pos].shape[-1] and piece.shape[-1]:  # a holder's piece, not (0, 0)
+            view.place(second_moments[pos], unpack(piece[:, : view.lead]))
+            piece = piece[:, view.lead :]
+        rest.append(piece)
+    finalize(members, rest)
 
 
 def _cut(pairs: Sequence[tuple[int, View]], ns_in: Sequence[Tensor], k: int) -> Tensor:
@@ -103,7 +150,7 @@ def _finalize(
 ) -> None:
     """This rank's pieces of a round's results: whole-matrix parameters updated now, the others
     scaled and placed into their update."""
-    lrs = [adjust_lr(hyper.lr, hyper.adjust_lr_fn, pairs[k][1].shape) for k in members]
+    lrs = [adjust_lr(hyper.lr, hyper.adjust_lr_fn, pairs[k][1].matrix_shape) for k in members]
     now = [i for i, k in enumerate(members) if pairs[k][0] not in assembled]
     later = [i for i, k in enumerate(members) if pairs[k][0] in assembled]
     apply_results(

@@ -13,10 +13,11 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from . import validation
 from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
-from ._sharding.param_layout import local_grad, local_of, relayout
+from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
 from ._sharding.plan import DEFAULT_ROUND_BYTES
 from .functional import MuonHyper, adamw_step, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
+from .normuon import DEFAULT_BETA2
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
@@ -25,6 +26,9 @@ ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_de
 # torch.optim.Muon's arguments, in its order; then ours.
 _TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
 _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
+# NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
+_NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
+_SECOND = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
 
 
 class Muon(Optimizer):
@@ -65,11 +69,18 @@ class Muon(Optimizer):
             Newton-Schulz work. Without it plain tensors are stepped locally.
         max_round_bytes: bytes of full matrices one pipelined exchange round carries, at least one
             matrix per rank; None: one round (default: 4 MiB, docs/benchmarks.md).
+        owners: for parameters a mesh both shards and replicates (HSDP): "mesh" (each matrix
+            orthogonalized once among all ranks of the mesh, results sent to every replica),
+            "replica" (once in every replica group, no traffic between replicas) or "auto" (the
+            cost model picks per mesh; default). Also a per-group key.
 
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
     matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v);
-    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split).
+    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split);
+    ``"normuon": True`` normalizes each row of the orthogonalized update by a running second moment
+    (NorMuon, arXiv 2510.05491; decay ``"beta2"``, default 0.95; state ``"second_momentum_buffer"``),
+    computed exactly on the owner of the whole matrix (``muon_dtensor.normuon``).
     """
 
     def __init__(
@@ -89,14 +100,17 @@ class Muon(Optimizer):
         mode: str = "owner",
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
+        owners: str = "auto",
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
             zip(_TORCH_KEYS, values),
             **_VIEW_DEFAULTS,
+            **_NORMUON_DEFAULTS,
             ns_algorithm=ns_algorithm,
             mode=mode,
             max_round_bytes=max_round_bytes,
+            owners=owners,
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
@@ -146,6 +160,8 @@ class Muon(Optimizer):
         for key in keys:
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["algorithm"] == "muon" and group.get("normuon", False) and _SECOND not in state:
+            state[_SECOND] = row_state_zeros(p)  # one value per row, laid out with p
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
@@ -183,10 +199,15 @@ class Muon(Optimizer):
     def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
         """A Muon group's layouts, views and plans: built (collectively) on first use and again when
         its parameters or view options change."""
-        key = (tuple(map(id, group["params"])), ViewOptions.of(group))
+        owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
+        key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
         if index not in self._shardings or self._shardings[index][0] != key:
             names = validation.param_names(group, index)
-            self._shardings[index] = key, GroupSharding(group["params"], names, key[1], self._process_group)
+            for p in group["params"]:  # NorMuon switched on after construction: its state first
+                self._init_state(group, p)
+            seconds = [self.state[p].get(_SECOND) for p in group["params"]]
+            sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners, seconds)
+            self._shardings[index] = key, sharding
         return self._shardings[index][1]
 
     def _muon_step(
@@ -202,6 +223,9 @@ class Muon(Optimizer):
             MuonHyper.of(group),
             config,
             self.comm_stats,
+            second_moments=[local_of(self.state[p][_SECOND]) for p in params]
+            if group.get("normuon")
+            else None,
         )
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ._compat import _StridedShard
 from ._sharding.comm import gather_over_scope, sum_over_scopes
 from ._sharding.param_layout import check_placements, same_layout
 from .elementwise import ADJUST_LR
@@ -27,6 +28,7 @@ __all__ = [
     "agree",
     "scope_entries",
     "MODES",
+    "OWNERS",
     "PreflightItem",
     "check_adamw_group",
     "check_algorithm",
@@ -34,6 +36,7 @@ __all__ = [
     "check_group",
     "check_mode",
     "check_muon_group",
+    "check_owners",
     "check_params",
     "ns_dtype_name",
     "param_names",
@@ -42,6 +45,7 @@ __all__ = [
 ]
 
 MODES = ("owner", "gather")
+OWNERS = ("auto", "mesh", "replica")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -84,6 +88,14 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
 
 
+def check_owners(owners: Any) -> None:
+    if owners not in OWNERS:
+        raise ValueError(
+            f"owners should be 'auto', 'mesh' or 'replica' but is: {owners!r}; 'mesh' orthogonalizes "
+            "each matrix once over all replicas of an HSDP mesh, 'replica' once in every replica"
+        )
+
+
 def ns_dtype_name(dtype: torch.dtype | str) -> str:
     """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -115,10 +127,24 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
     _check_adjust_lr(group["adjust_lr_fn"])
+    _check_normuon(group)
     check_mode(group.get("mode", "owner"))
+    check_owners(group.get("owners", "auto"))
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
+
+
+def _check_normuon(group: Mapping[str, Any]) -> None:
+    """NorMuon's group options: ``"normuon"`` a bool, ``"beta2"`` (its second moment's decay) in [0, 1)."""
+    normuon, beta2 = group.get("normuon", False), group.get("beta2", 0.95)
+    if not isinstance(normuon, bool):
+        raise ValueError(f"'normuon' should be True or False but is: {normuon!r}")
+    if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(
+            f"beta2 (NorMuon's second-moment decay) should be in [0, 1) but is: {beta2!r}; the "
+            "official default is 0.95"
+        )
 
 
 def check_group(group: Mapping[str, Any]) -> NSConfig | None:
@@ -142,6 +168,8 @@ def check_adamw_group(group: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    if group.get("normuon", False):
+        raise ValueError("'normuon': True is an option of Muon groups; this group is an AdamW group")
 
 
 def _as_triple(value: Sequence[float]) -> Triple:
@@ -236,6 +264,26 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
         if muon:
             check_placements(p, name)
             _check_split_sizes(p, name, group)
+            if group.get("normuon", False):
+                _check_normuon_param(p, name, group)
+
+
+def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
+    """NorMuon keeps one value per row of a 2-D matrix or an expert's: a flattened conv weight has
+    no such rows in the state's layout, and an interleaved last dimension has no single first column."""
+    if group.get("flatten", False) and p.ndim > 2 and not (group.get("experts", False) and p.ndim == 3):
+        raise ValueError(
+            f"parameter '{name}' of shape {tuple(p.shape)} would be flattened, which NorMuon does not support "
+            "(its second moment is one value per row of a 2-D or expert matrix); put it in a group "
+            "without 'normuon' or without 'flatten'"
+        )
+    placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+    if any(isinstance(q, _StridedShard) and q.dim == p.ndim - 1 for q in placements):
+        raise ValueError(
+            f"parameter '{name}' has placements {placements}: NorMuon needs its last dimension "
+            "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
+            "put the parameter in a group without 'normuon'"
+        )
 
 
 @dataclass(frozen=True)
@@ -346,7 +394,7 @@ def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> lis
 AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
     "ns_steps", "adjust_lr_fn", "ns_dtype", "ns_algorithm", "mode", "max_round_bytes", "flatten", "experts",
-    "split_sizes", "head_dim",
+    "split_sizes", "head_dim", "owners", "normuon", "beta2",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 

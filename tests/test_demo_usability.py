@@ -82,6 +82,7 @@ def test_results_json_keeps_typed_arguments(tmp_path: Path) -> None:
         "layout": "fsdp",
         "tolerance": 0.005,
         "out": str(tmp_path),
+        "normuon": False,
     }
     assert saved["seconds"] == 12.3
     assert saved["environment"]["torch"] == torch.__version__

@@ -48,11 +48,13 @@ def test_report_prints_predict_for_one_shard_group(capsys: pytest.CaptureFixture
 
 
 def test_replicas_do_not_change_the_step(capsys: pytest.CaptureFixture[str]) -> None:
-    """HSDP: 4 replica groups of 8 ranks run the step of one 8-rank shard group."""
-    hsdp = json.loads(_run(capsys, *SMALL, "--gpus", "32", "--shard", "8", "--json"))
+    """HSDP with owners per replica: 4 replica groups of 8 ranks run the step of one 8-rank shard group."""
+    hsdp = json.loads(_run(capsys, *SMALL, "--gpus", "32", "--shard", "8", "--owners", "replica", "--json"))
     assert hsdp["layout"] == {"gpus": 32, "shard": 8, "replicate": 4}
-    assert hsdp["prediction"] == asdict(predict(transformer_shapes(2, 256), 8))
-    same = json.loads(_run(capsys, *SMALL, "--shard", "8", "--replicate", "4", "--json"))
+    assert hsdp["prediction"] == asdict(replace(predict(transformer_shapes(2, 256), 8), replicas=4))
+    same = json.loads(
+        _run(capsys, *SMALL, "--shard", "8", "--replicate", "4", "--owners", "replica", "--json")
+    )
     assert same == hsdp
     flat = json.loads(_run(capsys, *SMALL, "--gpus", "32", "--json"))
     assert flat["layout"]["shard"] == 32 and flat["prediction"]["world_size"] == 32

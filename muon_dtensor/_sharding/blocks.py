@@ -13,7 +13,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Block", "Interval", "block_numel", "block_shape", "full_block", "shard_blocks"]
+__all__ = [
+    "Block",
+    "Interval",
+    "block_numel",
+    "block_shape",
+    "full_block",
+    "mesh_blocks",
+    "shard_blocks",
+]
 
 Interval = tuple[int, int]
 Block = tuple[tuple[Interval, ...], ...]
@@ -95,3 +103,30 @@ def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Blo
             dims[shard.dim] = list(_apply(tuple(dims[shard.dim]), shard, coord))
         blocks.append(tuple(tuple(d) for d in dims))
     return tuple(blocks)
+
+
+def mesh_blocks(
+    shape: Sequence[int], mesh_shape: Sequence[int], shards: Sequence[AxisShard]
+) -> tuple[tuple[Block, ...], tuple[int, ...]]:
+    """The block of every rank of the whole mesh (row-major over all its axes), and the replica each
+    rank belongs to: the row-major index of its coordinates on the axes that do not shard (Replicate).
+    The ranks of one replica hold every element once; replicas hold equal blocks."""
+    sharded = [s.axis for s in shards]
+    blocks = shard_blocks(shape, shards)
+    out: list[Block] = []
+    replica_of: list[int] = []
+    for flat in range(math.prod(mesh_shape)):
+        coords, rest = [], flat
+        for size in reversed(mesh_shape):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        shard, replica = 0, 0
+        for axis, coord in enumerate(coords):
+            if axis in sharded:
+                shard = shard * mesh_shape[axis] + coord
+            else:
+                replica = replica * mesh_shape[axis] + coord
+        out.append(blocks[shard])
+        replica_of.append(replica)
+    return tuple(out), tuple(replica_of)

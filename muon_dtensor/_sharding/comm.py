@@ -59,7 +59,8 @@ def _cached(key: tuple, create: Callable[[], dist.ProcessGroup]) -> dist.Process
 
 class CommStats:
     """Bytes this rank sent to and received from other ranks, collectives issued and matrices
-    this rank orthogonalized, for benchmarks and tests."""
+    this rank orthogonalized, for benchmarks and tests; ``sent_to`` splits ``sent`` by
+    destination (global rank), e.g. into bytes within and across HSDP replicas."""
 
     def __init__(self) -> None:
         self.reset()
@@ -67,6 +68,7 @@ class CommStats:
     def reset(self) -> None:
         self.sent = self.received = self.collectives = self.orthogonalized = 0
         self.live_bytes = self.peak_bytes = 0
+        self.sent_to: dict[int, int] = {}
 
     def hold(self, nbytes: int) -> None:
         """Exchange buffers (sends, receives, assembled matrices) allocated; tracks the peak."""
@@ -155,6 +157,9 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
     """
     if len(axes) == 1:
         return mesh.get_group(axes[0])
+    if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
+        # the whole mesh is every rank (HSDP owners over the mesh): the default group serves
+        return dist.distributed_c10d._get_default_group()
 
     def create() -> dist.ProcessGroup:
         others = [a for a in range(mesh.ndim) if a not in axes]
@@ -292,6 +297,9 @@ def start_all_to_all(
     if stats is not None:
         me = dist.get_rank(group)
         stats.sent += (sum(send_numels) - send_numels[me]) * item
+        for dest, numel in zip(dist.get_process_group_ranks(group), send_numels):
+            if numel and dest != dist.get_rank():
+                stats.sent_to[dest] = stats.sent_to.get(dest, 0) + numel * item
         stats.received += (sum(recv_numels) - recv_numels[me]) * item
         stats.collectives += 1
         stats.hold((send.numel() + recv.numel()) * item)

@@ -12,10 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..normuon import packed_width
+from ..validation import ns_dtype_name
 from .comm import sum_over_mesh
-from .param_layout import ParamLayout, layout_of
+from .owners import across_replicas
+from .param_layout import ParamLayout, layout_of, local_of
 from .plan import MatrixEntry, Plan, RoundRoute, build_plan, build_routes
-from .views import View, matrix_views
+from .views import View, holds_first_column, matrix_views
 
 __all__ = ["Domain", "GroupSharding", "ViewOptions", "build_domains"]
 
@@ -28,12 +31,16 @@ class ViewOptions:
     experts: bool = False
     split_sizes: tuple[int, ...] | None = None
     head_dim: int | None = None
+    lead: int = 0  # NorMuon: columns of the Newton-Schulz dtype that carry the second moment
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> ViewOptions:
         split = group.get("split_sizes")
         flags = group.get("flatten", False), group.get("experts", False)
-        return cls(*flags, tuple(split) if split else None, group.get("head_dim"))
+        lead = 0
+        if group.get("normuon", False):
+            lead = packed_width(getattr(torch, ns_dtype_name(group.get("ns_dtype", "bfloat16"))))
+        return cls(*flags, tuple(split) if split else None, group.get("head_dim"), lead)
 
 
 @dataclass(frozen=True)
@@ -47,10 +54,10 @@ class Domain:
     members: tuple[tuple[int, int], ...]
 
 
-def _entry(view: View, group_size: int) -> MatrixEntry:
+def _entry(view: View, layout: ParamLayout) -> MatrixEntry:
     whole = ((0, view.shape[0]),), ((0, view.shape[1]),)
-    replicated = group_size > 1 and all(b == whole for b in view.blocks)
-    return MatrixEntry(view.shape, view.blocks, replicated=replicated)
+    replicated = layout.group_size > 1 and all(b == whole for b in view.blocks)
+    return MatrixEntry(view.shape, view.blocks, replicated=replicated, replica_of=layout.replica_of)
 
 
 def build_domains(
@@ -64,7 +71,7 @@ def build_domains(
     domains = []
     for members in grouped.values():
         layout = layouts[members[0][0]]
-        entries = [_entry(views[pos][vi], layout.group_size) for pos, vi in members]
+        entries = [_entry(views[pos][vi], layouts[pos]) for pos, vi in members]
         plan = build_plan(entries, layout.group_size, mode, max_round_bytes=max_round_bytes)
         domains.append(Domain(layout.group, plan, build_routes(plan, layout.rank), tuple(members)))
     return domains
@@ -72,7 +79,9 @@ def build_domains(
 
 class GroupSharding:
     """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
-    that has gradients (cached: the routing depends only on the plan and the rank)."""
+    that has gradients (cached: the routing depends only on the plan and the rank). ``owners``
+    (``"auto"``, ``"mesh"``, ``"replica"``) says where HSDP parameters find their owners
+    (``owners.across_replicas``; collective for ``"auto"``)."""
 
     def __init__(
         self,
@@ -80,14 +89,20 @@ class GroupSharding:
         names: Sequence[str],
         options: ViewOptions,
         ddp_group: dist.ProcessGroup | None,
+        owners: str = "replica",
+        second_moments: Sequence[Tensor | None] = (),
     ) -> None:
         self.layouts: list[ParamLayout] = []
         self.views: list[list[View]] = []
+        self.across = across_replicas(params, owners, vars(options))
         error: ValueError | None = None
-        for p, name in zip(params, names):
+        for i, (p, name) in enumerate(zip(params, names)):
             try:
-                layout = layout_of(p, name, ddp_group)
+                across = isinstance(p, DTensor) and p.device_mesh in self.across
+                layout = layout_of(p, name, ddp_group, across=across)
                 views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
+                if options.lead and views:
+                    _check_second_moment(p, second_moments[i], layout, name)
                 self.layouts.append(layout)
                 self.views.append(views)
             except ValueError as e:
@@ -101,6 +116,20 @@ class GroupSharding:
             layouts = [self.layouts[i] for i in todo]
             self._domains[key] = build_domains(layouts, [self.views[i] for i in todo], mode, max_round_bytes)
         return self._domains[key]
+
+
+def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name: str) -> None:
+    """NorMuon's state must sit where the views put it: the parameter's local rows, one column on
+    the ranks that hold the parameter's column 0, none elsewhere (as ``Muon._init_state`` makes it)."""
+    holds = holds_first_column(layout.blocks[layout.rank])
+    want = (*local_of(p).shape[:-1], 1 if holds else 0)
+    got = tuple(local_of(v).shape) if v is not None else None
+    if got != want and (got is None or 0 not in got or 0 not in want):  # two empty pieces agree
+        raise ValueError(
+            f"parameter '{name}': its 'second_momentum_buffer' has local shape {got} on this rank, "
+            f"not {want} (a column laid out with the parameter's placements); let the optimizer "
+            "create it (remove it from the state) or load it from a checkpoint of this optimizer"
+        )
 
 
 def _agree_on_error(error: ValueError | None, params: Sequence[Tensor]) -> None:

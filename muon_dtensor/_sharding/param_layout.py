@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import zeros as dtensor_zeros
 
 from .._compat import _StridedShard
-from .blocks import AxisShard, Block, block_numel, block_shape, full_block, shard_blocks
+from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 from .comm import exchange_group
 
 __all__ = [
@@ -22,23 +23,29 @@ __all__ = [
     "exchange_axes",
     "layout_of",
     "relayout",
+    "replica_count",
+    "row_state_zeros",
     "local_grad",
     "local_of",
     "same_layout",
+    "shards_of",
 ]
 
 
 @dataclass(frozen=True)
 class ParamLayout:
     """Where a parameter lives. ``axes`` are the mesh axes whose ranks exchange its blocks (the
-    sharded ones; every axis for a fully replicated parameter); ``blocks`` has one block per rank
-    of the exchange group, in group-rank order; ``rank`` is this process's group rank."""
+    sharded ones; every axis for a fully replicated parameter, or with owners over the whole mesh);
+    ``blocks`` has one block per rank of the exchange group, in group-rank order; ``rank`` is this
+    process's group rank. ``replica_of`` is set when the group spans replicas (HSDP with owners over
+    the mesh): per group rank, the replica it belongs to (see ``blocks.mesh_blocks``)."""
 
     mesh: DeviceMesh | None
     axes: tuple[int, ...]
     blocks: tuple[Block, ...]
     rank: int
     group: dist.ProcessGroup | None
+    replica_of: tuple[int, ...] | None = None
 
     @property
     def group_size(self) -> int:
@@ -86,6 +93,12 @@ def _shards(p: DTensor, name: str) -> list[AxisShard]:
     return shards
 
 
+def shards_of(p: DTensor, name: str) -> list[AxisShard]:
+    """The mesh axes that shard ``p``, in mesh order; ValueError naming ``name`` for placements not
+    handled."""
+    return _shards(p, name)
+
+
 def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGroup) -> list[int]:
     """For each group rank, the flat (row-major over ``axes``) index of its block."""
     coord = mesh.get_coordinate()
@@ -105,16 +118,32 @@ def check_placements(p: Tensor, name: str) -> None:
     _shards(p, name)
 
 
-def exchange_axes(p: DTensor, name: str) -> tuple[int, ...]:
+def replica_count(p: Tensor) -> int:
+    """How many replicas of ``p`` a mesh holds: the product of its Replicate axes' sizes when some
+    axis shards ``p`` (HSDP), else 1 (plain tensors, fully replicated or unsupported placements)."""
+    if not isinstance(p, DTensor):
+        return 1
+    try:
+        sharded = {s.axis for s in _shards(p, "")}
+    except ValueError:
+        return 1  # layout_of raises the error, naming the parameter
+    mesh = p.device_mesh
+    return math.prod(mesh.size(a) for a in range(mesh.ndim) if a not in sharded) if sharded else 1
+
+
+def exchange_axes(p: DTensor, name: str, across: bool = False) -> tuple[int, ...]:
     """The mesh axes whose ranks exchange ``p``'s blocks: the sharded ones, or every axis when ``p`` is
-    replicated everywhere (then the whole mesh shares its work)."""
+    replicated everywhere (then the whole mesh shares its work) or ``across`` its replicas."""
+    if across:
+        return tuple(range(p.device_mesh.ndim))
     return tuple(s.axis for s in _shards(p, name)) or tuple(range(p.device_mesh.ndim))
 
 
-def describe(p: Tensor, name: str, group: dist.ProcessGroup | None) -> ParamLayout:
+def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool = False) -> ParamLayout:
     """The layout of ``p`` given its exchange ``group`` (None: this rank alone); raises ValueError
     naming ``name`` for layouts not handled. A plain tensor with a group is replicated over it (DDP).
-    Reads only: the group is created by the caller (``layout_of``)."""
+    ``across``: the group is the whole mesh and spans ``p``'s replicas. Reads only: the group is
+    created by the caller (``layout_of``)."""
     if not isinstance(p, DTensor):
         if group is None or dist.get_world_size(group) == 1:
             return ParamLayout(None, (), (full_block(p.shape),), 0, None)
@@ -122,11 +151,17 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None) -> ParamLayo
         return ParamLayout(None, (), (full_block(p.shape),) * size, dist.get_rank(group), group)
     mesh = p.device_mesh
     shards = _shards(p, name)
-    axes = exchange_axes(p, name)
+    across = across and replica_count(p) > 1
+    axes = exchange_axes(p, name, across)
     flat = shard_blocks(p.shape, shards) if shards else (full_block(p.shape),) * mesh.size()
+    replicas = None
+    if across:
+        flat, replicas = mesh_blocks(p.shape, tuple(mesh.shape), shards)
     if group is None:
         return ParamLayout(mesh, axes, flat, 0, None)
-    blocks = tuple(flat[i] for i in _group_order(mesh, axes, group))
+    order = _group_order(mesh, axes, group)
+    blocks = tuple(flat[i] for i in order)
+    replica_of = tuple(replicas[i] for i in order) if replicas is not None else None
     rank = dist.get_rank(group)
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
@@ -134,19 +169,23 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None) -> ParamLayo
         raise _unsupported(
             name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
         )
-    return ParamLayout(mesh, axes, blocks, rank, group)
+    return ParamLayout(mesh, axes, blocks, rank, group, replica_of)
 
 
-def layout_of(p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None) -> ParamLayout:
+def layout_of(
+    p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None, *, across: bool = False
+) -> ParamLayout:
     """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
-    this for the same parameters in the same order). ``ddp_group`` serves plain tensors."""
+    this for the same parameters in the same order). ``ddp_group`` serves plain tensors. ``across``:
+    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks."""
     if not isinstance(p, DTensor):
         return describe(p, name, ddp_group)
     check_placements(p, name)
     mesh = p.device_mesh
-    axes = exchange_axes(p, name)
+    across = across and replica_count(p) > 1
+    axes = exchange_axes(p, name, across)
     group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
-    return describe(p, name, group)
+    return describe(p, name, group, across)
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
@@ -166,10 +205,22 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
 
 
+def row_state_zeros(p: Tensor) -> Tensor:
+    """Zeros of shape ``p.shape[:-1] + (1,)`` in ``p``'s dtype (one value per row: NorMuon's second
+    moment), laid out with ``p``'s mesh and placements: a ``Shard`` of the last dimension puts the
+    single column on that axis's rank 0, exactly where ``p``'s column 0 is."""
+    shape = (*p.shape[:-1], 1)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+    return dtensor_zeros(shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=p.placements)
+
+
 def relayout(value: Tensor, old: Tensor, new: Tensor) -> Tensor:
-    """A state tensor of parameter ``old`` laid out like its replacement ``new``, in ``new``'s dtype
-    (a plain full tensor becomes ``new``'s local shard, cut locally). Scalars (step counters) stay."""
-    if value.ndim == 0 or tuple(value.shape) != tuple(old.shape):
+    """A state tensor of parameter ``old`` (its shape, or one column of it: ``row_state_zeros``) laid
+    out like its replacement ``new``, in ``new``'s dtype (a plain full tensor becomes ``new``'s local
+    shard, cut locally). Scalars (step counters) stay."""
+    shape = tuple(value.shape)
+    if value.ndim == 0 or shape not in (tuple(old.shape), (*old.shape[:-1], 1)):
         return value
     full = value.full_tensor() if isinstance(value, DTensor) else value
     full = full.to(device=new.device, dtype=new.dtype)

@@ -52,15 +52,38 @@ class MatrixEntry:
     # Every rank holds the whole matrix (replicated DTensor, DDP): the owner needs no input from
     # the others and only sends the result.
     replicated: bool = False
+    # Per group rank, its replica, when the group spans replicas that hold equal blocks (HSDP with
+    # owners over the whole mesh). The ranks of one replica hold every element once, so an owner
+    # reads the blocks of its own replica and sends the result to every rank. None: one replica.
+    replica_of: tuple[int, ...] | None = None
+
+    def feeds(self, source: int, dest: int) -> bool:
+        """Whether ``source``'s block goes to ``dest`` when ``dest`` computes this matrix."""
+        return self.replica_of is None or self.replica_of[source] == self.replica_of[dest]
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        """The ranks that hold this matrix whole, one per replica, while the others hold nothing
+        (an expert of an expert-parallel stack), or (). Its owner is one of them."""
+        numel = self.shape[0] * self.shape[1]
+        full = tuple(r for r, b in enumerate(self.blocks) if block_numel(b) == numel)
+        replicas = len(set(self.replica_of)) if self.replica_of is not None else 1
+        if self.replicated or len(full) != replicas or (replicas > 1 and not self._one_per_replica(full)):
+            return ()
+        if any(block_numel(b) for r, b in enumerate(self.blocks) if r not in full):
+            return ()
+        return full
+
+    def _one_per_replica(self, ranks: tuple[int, ...]) -> bool:
+        assert self.replica_of is not None
+        return len({self.replica_of[r] for r in ranks}) == len(ranks)
 
     @property
     def holder(self) -> int | None:
         """The one rank that holds this matrix whole while the others hold nothing (an expert of
         an expert-parallel stack), or None. Such a matrix needs no communication at all."""
-        full = [r for r, b in enumerate(self.blocks) if block_numel(b) == self.shape[0] * self.shape[1]]
-        if len(full) == 1 and not any(block_numel(b) for r, b in enumerate(self.blocks) if r != full[0]):
-            return full[0]
-        return None
+        holders = self.holders
+        return holders[0] if len(holders) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -96,31 +119,48 @@ class Plan:
                 entry = self.entries[member]
                 blocks = entry.blocks
                 if owner == EVERYONE:
-                    total += 0 if entry.replicated else (self.group_size - 1) * block_numel(blocks[rank])
+                    peers = sum(entry.feeds(rank, d) for d in range(self.group_size) if d != rank)
+                    total += 0 if entry.replicated else peers * block_numel(blocks[rank])
                 elif owner == rank:
                     total += sum(block_numel(b) for r, b in enumerate(blocks) if r != rank)
-                elif not entry.replicated:
+                elif not entry.replicated and entry.feeds(rank, owner):
                     total += block_numel(blocks[rank])
         return total * itemsize
+
+
+def _tie_order(entries: Sequence[MatrixEntry], group_size: int) -> list[tuple[int, int]]:
+    """Per rank, its place among equally loaded ranks: its rank, or with replicas (owners over the
+    mesh) its place in its replica, then its replica, so that owners alternate between replicas and
+    the results' traffic across them leaves from every replica's links."""
+    replica_of = next((e.replica_of for e in entries if e.replica_of is not None), None)
+    if replica_of is None:
+        return [(r, 0) for r in range(group_size)]
+    seen: dict[int, int] = {}
+    order = []
+    for c in replica_of:
+        order.append((seen.get(c, 0), c))
+        seen[c] = seen.get(c, 0) + 1
+    return order
 
 
 def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[list[int], list[int]]:
     costs = [ns_flops(e.shape) for e in entries]
     owners = [0] * len(entries)
-    pinned = [0] * group_size
-    for i, e in enumerate(entries):  # a matrix held whole by one rank stays there
-        if e.holder is not None:
-            owners[i] = e.holder
-            pinned[e.holder] += costs[i]
-    order = sorted((i for i, e in enumerate(entries) if e.holder is None), key=lambda i: (-costs[i], i))
-    heap = [(pinned[rank], rank) for rank in range(group_size)]
+    loads = [0] * group_size
+    tie = _tie_order(entries, group_size)
+    held = {i: e.holders for i, e in enumerate(entries) if e.holders}
+    # A matrix held whole stays on a holder: the least loaded of them (one per replica).
+    for i in sorted(held, key=lambda i: (-costs[i], i)):
+        owners[i] = min(held[i], key=lambda r: (loads[r], tie[r]))
+        loads[owners[i]] += costs[i]
+    order = sorted((i for i in range(len(entries)) if i not in held), key=lambda i: (-costs[i], i))
+    heap = [(loads[rank], tie[rank], rank) for rank in range(group_size)]
     heapq.heapify(heap)
     for i in order:
-        load, rank = heapq.heappop(heap)
+        load, key, rank = heapq.heappop(heap)
         owners[i] = rank
-        heapq.heappush(heap, (load + costs[i], rank))
-    loads = [0] * group_size
-    for load, rank in heap:
+        heapq.heappush(heap, (load + costs[i], key, rank))
+    for load, _, rank in heap:
         loads[rank] = load
     return owners, loads
 
@@ -251,10 +291,13 @@ def _inbound(plan: Plan, rnd: Round, me: int) -> Inbound:
     for member, owner in zip(rnd.members, rnd.owners):
         dests = range(plan.group_size) if owner == EVERYONE else (owner,)
         for dest in dests if not direct and member not in replicated else ():
-            if dest != me:  # my own blocks never enter the collective: one copy less each way
+            # my own blocks never enter the collective (one copy less each way); with replicas,
+            # an owner reads only its own replica's blocks
+            if dest != me and plan.entries[member].feeds(me, dest):
                 sends[dest].append(member)
     incoming = [m for m in mine if m not in replicated and not direct]
-    received = _received(plan, me, [incoming] * plan.group_size, None)
+    by_source = [[m for m in incoming if plan.entries[m].feeds(src, me)] for src in range(plan.group_size)]
+    received = _received(plan, me, by_source, None)
     recv = [0] * plan.group_size
     for _, src, _, block in received:
         recv[src] += block_numel(block)

@@ -5,6 +5,9 @@ A 2-D parameter is one matrix. A 3-D parameter ``[E, m, n]`` is E expert matrice
 ``split_sizes`` cuts the rows of each matrix into blocks orthogonalized separately (a fused q/k/v).
 Each view carries its global shape, every group rank's block of it (for the plan) and where this
 rank's piece sits in its local tensor (for cutting the input and placing the result).
+With ``lead`` > 0 (NorMuon) each matrix has ``lead`` extra leading columns that carry the parameter's
+per-row second moment; the ranks that hold the parameter's column 0 hold them (torch.chunk puts the
+state's single column where the parameter's column 0 is).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import Tensor
 
 from .blocks import Block, Interval
 
-__all__ = ["LocalCut", "View", "matrix_views", "whole_matrix"]
+__all__ = ["LocalCut", "View", "holds_first_column", "matrix_views", "whole_matrix"]
 
 _EMPTY: tuple[Interval, ...] = ((0, 0),)
 
@@ -34,9 +37,15 @@ class LocalCut:
 
 @dataclass(frozen=True)
 class View:
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # with the ``lead`` columns
     blocks: tuple[Block, ...]  # per group rank, in the view's own coordinates
     local: LocalCut
+    lead: int = 0  # leading columns that are not the parameter's (NorMuon's packed second moment)
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """The parameter's matrix, without the ``lead`` columns (what the lr adjustment reads)."""
+        return self.shape[0], self.shape[1] - self.lead
 
     def cut(self, local: Tensor) -> Tensor:
         """This rank's piece of the matrix from its local tensor, 2-D (a view when contiguous)."""
@@ -96,6 +105,28 @@ def _flat_cols(block: Block, shape: Sequence[int], name: str) -> tuple[Interval,
     return tuple((a * inner, b * inner) for a, b in block[1])
 
 
+def holds_first_column(block: Block) -> bool:
+    """Whether a rank with ``block`` of a parameter holds its column 0 (the last dimension's)."""
+    return _has(block[-1], 0) is not None
+
+
+def _lead(cols: tuple[Interval, ...], lead: int, holds: bool) -> tuple[Interval, ...]:
+    """Column intervals with ``lead`` leading columns in front: the parameter's shifted right, and
+    ``(0, lead)`` first on a rank that ``holds`` them (adjacent intervals merged, so a whole row
+    stays one interval and a replicated matrix stays recognizable)."""
+    if not lead:
+        return cols
+    out = [(0, lead)] if holds else []
+    for a, b in cols:
+        if a == b:
+            continue
+        if out and out[-1][1] == a + lead:
+            out[-1] = (out[-1][0], b + lead)
+        else:
+            out.append((a + lead, b + lead))
+    return tuple(out) or _EMPTY
+
+
 def _has(intervals: Sequence[Interval], index: int) -> int | None:
     """Local position of global ``index`` in the concatenation of ``intervals``, or None."""
     offset = 0
@@ -116,10 +147,12 @@ def matrix_views(
     experts: bool = False,
     split_sizes: Sequence[int] | None = None,
     head_dim: int | None = None,
+    lead: int = 0,
 ) -> list[View]:
     """Every matrix of a parameter of global ``shape`` whose group ranks hold ``blocks``: row blocks
-    of ``split_sizes``, each cut into heads of ``head_dim`` rows if set. A parameter with no elements
-    has none (torch.optim.Muon steps it as a no-op, so do we)."""
+    of ``split_sizes``, each cut into heads of ``head_dim`` rows if set, with ``lead`` leading
+    columns (NorMuon). A parameter with no elements has none (torch.optim.Muon steps it as a no-op,
+    so do we)."""
     if math.prod(shape) == 0:
         return []
     experts = experts and len(shape) == 3
@@ -133,7 +166,8 @@ def matrix_views(
     for e in range(shape[0]) if experts else [None]:
         start = 0
         for size in splits:
-            views.append(_view(shape, blocks, rank, e, start, start + size, cols, rows_dim, name))
+            view = _view(shape, blocks, rank, e, start, start + size, cols, rows_dim, name)
+            views.append(_with_lead(view, blocks, lead) if lead else view)
             start += size
     return views
 
@@ -165,3 +199,12 @@ def _view(
     has_piece = expert is None or local_expert is not None
     local_rows = _intersect(mine[rows_dim], lo, hi)[1] if has_piece else _EMPTY
     return View((hi - lo, cols), tuple(view_blocks), LocalCut(local_expert, local_rows))
+
+
+def _with_lead(view: View, blocks: Sequence[Block], lead: int) -> View:
+    """``view`` with ``lead`` leading columns, held by the ranks that hold the parameter's column 0."""
+    extended = tuple(
+        (rows, _lead(cols, lead, holds_first_column(block)) if rows != _EMPTY or cols != _EMPTY else cols)
+        for (rows, cols), block in zip(view.blocks, blocks)
+    )
+    return View((view.shape[0], view.shape[1] + lead), extended, view.local, lead)

@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="QK-Clip after every step at threshold TAU (default TAU 5.0: this model's largest logit grows "
         "from about 1 to 8) and print the largest logit before and after clipping",
     )
+    p.add_argument(
+        "--normuon",
+        action="store_true",
+        help="muon_dtensor's Muon groups use NorMuon (rows normalized by a running second moment, "
+        "arXiv 2510.05491), exact under sharding; round-robin Muon stays plain Muon",
+    )
     return p
 
 
@@ -106,6 +112,7 @@ def _base(args: argparse.Namespace, optimizer: str, ns_dtype: str) -> RunSpec:
         progress=str(args.out / ".progress"),
         ns_dtype=ns_dtype,
         qk_clip=args.qk_clip,
+        normuon=getattr(args, "normuon", False) and optimizer == "muon_dtensor",
     )
 
 
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             f"QK-Clip at threshold {args.qk_clip:g} after every step of every run, both optimizers.",
             flush=True,
         )
+    if getattr(args, "normuon", False):
+        print("NorMuon: muon_dtensor's Muon groups normalize each row of the update (--normuon).\n")
     ours = _scenario(args, "muon_dtensor", 1, ns_dtype)
     ok = _show_ours(args, ours)
     print(

@@ -55,6 +55,7 @@ class RunSpec:
     record_from: int | None = None  # keep every parameter (full) after each step >= this
     progress: str | None = None  # rank 0 writes "step total" here after each step
     ns_dtype: str = "bfloat16"  # Newton-Schulz dtype; "float32" where bf16 is emulated (demo/cpu.py)
+    normuon: bool = False  # --normuon: NorMuon in the Muon groups (muon_dtensor only)
     model: ModelConfig = field(default_factory=ModelConfig)
     qk_clip: float | None = None  # QK-Clip threshold after every step (``--qk-clip``), or None
 
@@ -64,12 +65,18 @@ class ShardedSession:
 
     sums_gradients = False  # FSDP averages gradients over data-parallel ranks
 
-    def __init__(self, model: nn.Module, layout: str, ns_dtype: str = "bfloat16") -> None:
+    def __init__(
+        self, model: nn.Module, layout: str, ns_dtype: str = "bfloat16", normuon: bool = False
+    ) -> None:
         mesh = build_mesh(demo_shape(layout, dist.get_world_size()))
         shard_model(model, mesh)
         self.model = model
+        groups = split_params(model, adamw=ADAMW_NAMES, adamw_options=ADAMW)
+        for group in groups:
+            if group["algorithm"] == "muon":
+                group["normuon"] = normuon
         self.opt = Muon(
-            split_params(model, adamw=ADAMW_NAMES, adamw_options=ADAMW),
+            groups,
             lr=LR,
             weight_decay=WEIGHT_DECAY,
             ns_dtype=ns_dtype,
@@ -116,7 +123,7 @@ def _session(spec: RunSpec) -> ShardedSession | RoundRobinSession:
             adamw_names=ADAMW_NAMES,
             ns_dtype=spec.ns_dtype,
         )
-    return ShardedSession(model, spec.layout, spec.ns_dtype)
+    return ShardedSession(model, spec.layout, spec.ns_dtype, spec.normuon)
 
 
 def my_micro_batches(

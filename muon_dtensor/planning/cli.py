@@ -7,10 +7,12 @@ Examples::
     python -m muon_dtensor plan --layers 24 --dim 2048 --gpus 8 --matmul-tflops 600
     python -m muon_dtensor plan --model llama3-8b --gpus 8 --json
 
-The step is predicted by ``costmodel.predict`` for one shard group (the ranks a parameter is sharded
-over, FSDP2's ``Shard(0)``): Newton-Schulz work and all-to-alls stay inside it, and every replica
-group (HSDP's replicate axis) runs the same step at the same time, so replicas add no optimizer time.
-Pure arithmetic: no GPU, no process group.
+The step is predicted by ``costmodel.predict``. Without replicas, for one shard group (the ranks a
+parameter is sharded over, FSDP2's ``Shard(0)``). With HSDP (``--replicate`` > 1), ``--owners``
+says where each matrix's owner is chosen, as ``Muon(owners=...)``: ``replica`` (every replica group
+runs one shard group's step at the same time), ``mesh`` (one owner per matrix among all GPUs, the
+results sent to every replica) or ``auto`` (the faster; the default). Pure arithmetic: no GPU, no
+process group.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard", type=int, help="ranks per shard group (default: gpus / replicate)")
     g.add_argument("--replicate", type=int, help="replica groups, HSDP (default: gpus / shard, or 1)")
     g.add_argument("--mode", choices=("owner", "gather", "redundant"), default="owner", help="(owner)")
+    g.add_argument(
+        "--owners", choices=("auto", "mesh", "replica"), default="auto", help="with HSDP, as Muon's (auto)"
+    )
     g.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (5)")
     g.add_argument(
         "--max-round-bytes",
@@ -145,10 +150,18 @@ def hardware(args: argparse.Namespace) -> Hardware:
 
 
 def plan(args: argparse.Namespace) -> Prediction:
-    """The cost model's step for parsed arguments: one shard group of ``args.layout.shard`` ranks."""
+    """The cost model's step for parsed arguments: shard groups of ``args.layout.shard`` ranks, in
+    ``args.layout.replicate`` replicas with owners ``args.owners``."""
     impl = replace(CURRENT, max_round_bytes=args.max_round_bytes or None)
     return predict(
-        args.shapes, args.layout.shard, hardware(args), mode=args.mode, impl=impl, ns_steps=args.ns_steps
+        args.shapes,
+        args.layout.shard,
+        hardware(args),
+        mode=args.mode,
+        impl=impl,
+        ns_steps=args.ns_steps,
+        replicas=args.layout.replicate,
+        owners=args.owners,
     )
 
 
@@ -164,7 +177,7 @@ def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
         f"TB/s, links {hw.intra_node_bandwidth / 1e9:g} / {hw.inter_node_bandwidth / 1e9:g} GB/s each "
         f"way (in / across nodes), {hw.collective_latency * 1e6:g} us per collective, "
         f"{hw.op_overhead * 1e6:g} us per eager op",
-        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}",
+        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}, owners {args.owners}",
     ]
 
 
@@ -178,7 +191,8 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
         ("elementwise (memory-bound)", p.memory),
         ("host (eager ops)", p.host),
     ]
-    lines = _describe(args, hw) + ["", "Predicted Muon step (costmodel.predict), per shard group:", ""]
+    where = "among all GPUs" if p.owners == "mesh" else "in each replica group"
+    lines = _describe(args, hw) + ["", f"Predicted Muon step (costmodel.predict), owners {where}:", ""]
     lines += ["| part | ms |", "|---|---:|"] + [f"| {k} | {v * 1e3:.1f} |" for k, v in rows]
     lines += [
         "",

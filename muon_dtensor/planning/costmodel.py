@@ -1,7 +1,9 @@
 """Predict the time of one Muon optimizer step from matrix shapes, the shard-group size and hardware.
 
 Pure arithmetic over the plan (``plan.build_plan`` on ``Shard(0)`` blocks, as FSDP2 lays them out,
-with the optimizer's default exchange rounds): no process group, no device. A step is three phases,
+with the optimizer's default exchange rounds; for HSDP with owners over the mesh, ``hsdp_plan``):
+no process group, no device. ``compare_owners`` prices HSDP's two owner choices for
+``Muon(owners="auto")``. A step is three phases,
 as ``functional.muon_step`` runs them:
 
 1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local shards
@@ -37,10 +39,11 @@ from functools import lru_cache
 
 import torch
 
-from .._sharding.blocks import AxisShard, Block, block_numel, shard_blocks
-from .._sharding.plan import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan, Round, build_plan
+from .._sharding.blocks import AxisShard, Block, block_numel, mesh_blocks, shard_blocks
+from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
+from .links import back_links, to_owner_links
 
 __all__ = [
     "CURRENT",
@@ -51,7 +54,9 @@ __all__ = [
     "Hardware",
     "Implementation",
     "Prediction",
+    "compare_owners",
     "fit_latency_bandwidth",
+    "hsdp_plan",
     "predict",
     "sharded_plan",
     "transformer_shapes",
@@ -113,6 +118,8 @@ class Prediction:
     bytes_sent_mean: float
     bytes_sent_max: float
     imbalance: float
+    replicas: int = 1
+    owners: str = "replica"  # where owners were chosen: "mesh" or "replica" (see ``predict``)
 
 
 def transformer_shapes(
@@ -152,67 +159,43 @@ def sharded_plan(
     return build_plan(entries, world_size, mode, max_round_bytes=max_round_bytes)
 
 
-@dataclass
-class _Links:
-    """Bytes per rank in one all-to-all: sent and received, inside the node and across nodes."""
-
-    send_intra: list[float]
-    send_inter: list[float]
-    recv_intra: list[float]
-    recv_inter: list[float]
-
-    def seconds(self, hw: Hardware) -> float:
-        """The busiest rank's busiest link; each link carries one send and one receive at once."""
-        worst = 0.0
-        for si, se, ri, re in zip(
-            self.send_intra, self.send_inter, self.recv_intra, self.recv_inter, strict=True
-        ):
-            worst = max(worst, max(si, ri) / hw.intra_node_bandwidth, max(se, re) / hw.inter_node_bandwidth)
-        return hw.collective_latency + worst
+@lru_cache(maxsize=4096)
+def _mesh_blocks(shape: Shape, shards: int, replicas: int) -> tuple[tuple[Block, ...], tuple[int, ...]]:
+    return mesh_blocks(shape, (replicas, shards), [AxisShard(1, 0, shards)])
 
 
-def _to_owner_links(
-    plan: Plan, members: Sequence[int], owners: Sequence[int], itemsize: int, per_node: int
-) -> _Links:
-    """Traffic of one round's all-to-all to the owners (gather mode: to everyone)."""
-    n = plan.group_size
-    node = [r // per_node for r in range(n)]
-    node_size = [min(per_node, n - k * per_node) for k in node]
-    links = _Links([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
-    for member, owner in zip(members, owners, strict=True):
-        size = [block_numel(b) * itemsize for b in plan.entries[member].blocks]
-        node_sum: dict[int, float] = {}
-        for r in range(n):
-            node_sum[node[r]] = node_sum.get(node[r], 0.0) + size[r]
-        total = sum(size)
-        for r in range(n) if owner == EVERYONE else (owner,):
-            links.recv_intra[r] += node_sum[node[r]] - size[r]
-            links.recv_inter[r] += total - node_sum[node[r]]
-        for r in range(n):
-            if owner == EVERYONE:
-                links.send_intra[r] += size[r] * (node_size[r] - 1)
-                links.send_inter[r] += size[r] * (n - node_size[r])
-            elif r != owner:
-                bucket = links.send_intra if node[r] == node[owner] else links.send_inter
-                bucket[r] += size[r]
-    return links
+def hsdp_plan(
+    shapes: Sequence[Shape],
+    shards: int,
+    replicas: int,
+    mode: str = "owner",
+    max_round_bytes: int | None = None,
+) -> Plan:
+    """The plan with owners over the whole mesh for ``shapes`` laid out as HSDP does: ``(Replicate,
+    Shard(0))`` on a ``(replicas, shards)`` mesh."""
+    entries = []
+    for s in shapes:
+        blocks, replica_of = _mesh_blocks(tuple(s), shards, replicas)
+        entries.append(MatrixEntry(tuple(s), blocks, replica_of=replica_of))  # type: ignore[arg-type]
+    return build_plan(entries, shards * replicas, mode, max_round_bytes=max_round_bytes)
 
 
-def _round_comm(plan: Plan, rnd: Round, hw: Hardware, itemsize: int) -> tuple[float, float, list[float]]:
+def _replicas(entry: MatrixEntry) -> int:
+    return len(set(entry.replica_of)) if entry.replica_of is not None else 1
+
+
+def _round_comm(
+    plan: Plan, rnd: Round, hw: Hardware, itemsize: int, nodes: Sequence[int]
+) -> tuple[float, float, list[float]]:
     """Seconds of a round's all-to-all to the owners and back (0 in gather mode), and bytes sent per rank."""
     n = plan.group_size
     if n == 1:
         return 0.0, 0.0, [0.0]
-    links = _to_owner_links(plan, rnd.members, rnd.owners, itemsize, hw.gpus_per_node)
-    seconds = links.seconds(hw)
-    back = plan.mode == "owner"  # the results return over the same links, send and receive swapped
-    sent = [
-        links.send_intra[r]
-        + links.send_inter[r]
-        + (links.recv_intra[r] + links.recv_inter[r] if back else 0.0)
-        for r in range(n)
-    ]
-    return seconds, seconds if back else 0.0, sent
+    to_owners = to_owner_links(plan, rnd.members, rnd.owners, itemsize, nodes)
+    if plan.mode != "owner":
+        return to_owners.seconds(hw), 0.0, [to_owners.sent(r) for r in range(n)]
+    back = back_links(plan, rnd.members, rnd.owners, itemsize, nodes)
+    return to_owners.seconds(hw), back.seconds(hw), [to_owners.sent(r) + back.sent(r) for r in range(n)]
 
 
 def _ns_config(ns_steps: int, itemsize: int, algorithm: str) -> NSConfig:
@@ -223,14 +206,17 @@ def _ns_config(ns_steps: int, itemsize: int, algorithm: str) -> NSConfig:
 
 
 def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, config: NSConfig) -> float:
-    """The busiest rank's device seconds in a round: assemble its matrices, orthogonalize, pack results."""
+    """The busiest rank's device seconds in a round: assemble its matrices, orthogonalize, pack results
+    (for every replica's ranks, with owners over the mesh)."""
     n, worst = plan.group_size, 0.0
-    copies = 0 if n == 1 else (1 if plan.mode == "gather" else 2)  # assemble (+ pack back)
     for r in range(n):
         mine = rnd.owned_by(r)
         flops = sum(orthogonalize_flops(plan.entries[m].shape, config) for m in mine)
-        elems = sum(math.prod(plan.entries[m].shape) for m in mine)
-        worst = max(worst, flops / hw.matmul_flops + copies * elems * impl.copy_bytes / hw.memory_bandwidth)
+        copies = 0.0
+        for m in mine if n > 1 else ():  # assemble (+ pack back, once per replica)
+            packs = 1 if plan.mode == "gather" else 1 + _replicas(plan.entries[m])
+            copies += packs * math.prod(plan.entries[m].shape)
+        worst = max(worst, flops / hw.matmul_flops + copies * impl.copy_bytes / hw.memory_bandwidth)
     return worst
 
 
@@ -258,12 +244,14 @@ def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tu
         len({plan.entries[i].shape for i in rnd.owned_by(r)}) for rnd in plan.rounds for r in range(n)
     )
     ns_calls = shapes_per_round * len(plan.rounds) if impl.batched_ns else owned_count
+    # blocks an owner assembles a matrix from: its replica's (all n without replicas)
+    sources = [n // _replicas(e) for e in plan.entries]
     if n == 1:
         exchange = 0
-    elif plan.mode == "gather":  # pack each block for n - 1 ranks, assemble every matrix from n blocks
-        exchange = matrices * (n - 1) + owned_count * n
-    else:  # pack each block once, assemble owned matrices from n blocks, pack n - 1 results back
-        exchange = matrices + owned_count * (2 * n - 1)
+    elif plan.mode == "gather":  # pack each block for its replica's other ranks, assemble every matrix
+        exchange = sum(s - 1 for s in sources) + sum(sources)
+    else:  # pack each block once, assemble owned matrices from their blocks, pack n - 1 results back
+        exchange = matrices + max(sum(sources[i] + n - 1 for i in mine) for mine in owned)
     collectives = 0 if n == 1 else 2 * len(plan.rounds) + 1
     buckets = math.ceil(local / impl.bucket_elements)
     pre = matrices * impl.pre_ops + buckets * impl.pre_bucket_ops
@@ -283,17 +271,26 @@ def _busiest_ns_flops(plan: Plan, config: NSConfig) -> int:
 
 
 def _phases(
-    plan: Plan, hw: Hardware, impl: Implementation, ns_steps: int, itemsize: int, algorithm: str
+    plan: Plan,
+    hw: Hardware,
+    impl: Implementation,
+    ns_steps: int,
+    itemsize: int,
+    nodes: Sequence[int],
+    algorithm: str = "standard",
 ) -> dict[str, float]:
     """Device and host seconds of the pre, mid and post phases, and the exchange's parts."""
     n = plan.group_size
-    comm = [_round_comm(plan, rnd, hw, itemsize) for rnd in plan.rounds]
+    comm = [_round_comm(plan, rnd, hw, itemsize, nodes) for rnd in plan.rounds]
     config = _ns_config(ns_steps, itemsize, algorithm)
     compute = [_round_compute(plan, rnd, hw, impl, config) for rnd in plan.rounds]
     sent = [sum(c[2][r] for c in comm) for r in range(n)]
     preflight = hw.collective_latency if n > 1 else 0.0
     local = max(sum(block_numel(e.blocks[r]) for e in plan.entries) for r in range(n))
-    pack = local * (n - 1) / n * (n if plan.mode == "gather" else 1)
+    # blocks packed for the all-to-all to the owners: for the other ranks of this rank's replica
+    replicas = max((_replicas(e) for e in plan.entries), default=1)
+    shards = n // replicas
+    pack = local * (shards - 1) / shards * (shards if plan.mode == "gather" else 1 / replicas)
     pre, mid, post = _host_ops(plan, impl, ns_steps, local)
     return {
         "ns": _busiest_ns_flops(plan, config) / hw.matmul_flops,
@@ -311,6 +308,26 @@ def _phases(
     }
 
 
+def _predict_plan(
+    plan: Plan,
+    hw: Hardware,
+    impl: Implementation,
+    ns_steps: int,
+    itemsize: int,
+    nodes: Sequence[int],
+    algorithm: str = "standard",
+) -> tuple[float, dict[str, float]]:
+    """The step's seconds on ``plan`` (group rank r on node ``nodes[r]``), and its phases."""
+    p = _phases(plan, hw, impl, ns_steps, itemsize, nodes, algorithm)
+    if hw.async_host:  # the host runs ahead of the device; its post work hides behind the exchange
+        total = max(p["pre_dev"], p["pre_host"]) + max(
+            p["mid_dev"] + p["post_dev"], p["mid_host"] + p["post_host"]
+        )
+    else:
+        total = sum(p[k] for k in ("pre_dev", "mid_dev", "post_dev", "pre_host", "mid_host", "post_host"))
+    return total, p
+
+
 def predict(
     shapes: Sequence[Shape],
     world_size: int,
@@ -321,23 +338,41 @@ def predict(
     ns_steps: int = 5,
     itemsize: int = 2,
     ns_algorithm: str = "standard",
+    replicas: int = 1,
+    owners: str = "replica",
 ) -> Prediction:
     """Predict one step. ``mode``: "owner", "gather", or "redundant" (Newton-Schulz of every matrix
     on one device and nothing else: the cost every rank pays when each orthogonalizes everything).
-    ``ns_algorithm``: the optimizer's, "standard" or "gram" (``newton_schulz.orthogonalize_flops``)."""
+    ``ns_algorithm``: the optimizer's, "standard" or "gram" (``newton_schulz.orthogonalize_flops``).
+    ``world_size`` ranks shard each matrix; ``replicas`` > 1 is HSDP, mesh rank ``r`` in replica
+    ``r // world_size`` (a node holds whole shard groups when they fit). ``owners``: ``"replica"``
+    (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
+    ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two)."""
     hw = hw or Hardware.h200()
     if mode == "redundant":
         config = _ns_config(ns_steps, itemsize, ns_algorithm)
         ns = sum(orthogonalize_flops(s, config) for s in shapes) / hw.matmul_flops
-        return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0)
-    plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
-    p = _phases(plan, hw, impl, ns_steps, itemsize, ns_algorithm)
-    if hw.async_host:  # the host runs ahead of the device; its post work hides behind the exchange
-        total = max(p["pre_dev"], p["pre_host"]) + max(
-            p["mid_dev"] + p["post_dev"], p["mid_host"] + p["post_host"]
-        )
+        return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0, replicas, owners)
+    if replicas > 1 and owners == "auto":
+        both = [
+            predict(shapes, world_size, hw, mode=mode, impl=impl, ns_steps=ns_steps, itemsize=itemsize,
+                    ns_algorithm=ns_algorithm, replicas=replicas, owners=o)
+            for o in ("mesh", "replica")
+        ]  # fmt: skip
+        return min(both, key=lambda p: p.total)
+    across = replicas > 1 and owners == "mesh" and mode == "owner"
+    if across:
+        plan = hsdp_plan(shapes, world_size, replicas, mode, impl.max_round_bytes)
     else:
-        total = sum(p[k] for k in ("pre_dev", "mid_dev", "post_dev", "pre_host", "mid_host", "post_host"))
+        plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
+    nodes = [r // hw.gpus_per_node for r in range(plan.group_size)]
+    total, p = _predict_plan(plan, hw, impl, ns_steps, itemsize, nodes, ns_algorithm)
+    return _prediction(mode, world_size, total, p, plan, replicas, "mesh" if across else "replica")
+
+
+def _prediction(
+    mode: str, world_size: int, total: float, p: dict[str, float], plan: Plan, replicas: int, owners: str
+) -> Prediction:
     return Prediction(
         mode=mode,
         world_size=world_size,
@@ -350,4 +385,42 @@ def predict(
         bytes_sent_mean=p["sent_mean"],
         bytes_sent_max=p["sent_max"],
         imbalance=plan.imbalance,
+        replicas=replicas,
+        owners=owners,
     )
+
+
+def compare_owners(
+    entries: Sequence[MatrixEntry],
+    nodes: Sequence[int],
+    hw: Hardware | None = None,
+    *,
+    impl: Implementation = CURRENT,
+    ns_steps: int = 5,
+    itemsize: int = 2,
+) -> dict[str, float]:
+    """Seconds of the step for matrices with replicas (entries over the whole mesh, with
+    ``replica_of``; group rank r on node ``nodes[r]``), with owners ``"mesh"`` and per ``"replica"``.
+    Per replica, matrices laid out alike form one exchange group whose replicas run at once (the
+    slowest counts); groups laid out differently run one after the other."""
+    hw = hw or Hardware.h200()
+    if not entries:
+        return {"mesh": 0.0, "replica": 0.0}
+    n = len(nodes)
+    mesh = _predict_plan(build_plan(entries, n, max_round_bytes=impl.max_round_bytes), hw, impl, ns_steps,
+                         itemsize, nodes)[0]  # fmt: skip
+    by_layout: dict[tuple[int, ...] | None, list[MatrixEntry]] = {}
+    for e in entries:
+        by_layout.setdefault(e.replica_of, []).append(e)
+    replica = 0.0
+    for replica_of, alike in by_layout.items():
+        assert replica_of is not None, "every entry compared has replicas"
+        slowest = 0.0
+        for c in sorted(set(replica_of)):
+            ranks = [r for r in range(n) if replica_of[r] == c]
+            sub = [MatrixEntry(e.shape, tuple(e.blocks[r] for r in ranks)) for e in alike]
+            plan = build_plan(sub, len(ranks), max_round_bytes=impl.max_round_bytes)
+            seconds = _predict_plan(plan, hw, impl, ns_steps, itemsize, [nodes[r] for r in ranks])[0]
+            slowest = max(slowest, seconds)
+        replica += slowest
+    return {"mesh": mesh, "replica": replica}

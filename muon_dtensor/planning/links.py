@@ -1,0 +1,103 @@
+"""Bytes per rank and link of one exchange round, read from the plan: the all-to-all to the owners
+and the one back. Pure arithmetic for ``costmodel``; ``nodes[r]`` is group rank r's node."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._sharding.blocks import block_numel
+from .._sharding.plan import EVERYONE, MatrixEntry, Plan
+from .hardware import Hardware
+
+__all__ = ["Links", "back_links", "to_owner_links"]
+
+
+@dataclass
+class Links:
+    """Bytes per rank in one all-to-all: sent and received, inside the node and across nodes."""
+
+    send_intra: list[float]
+    send_inter: list[float]
+    recv_intra: list[float]
+    recv_inter: list[float]
+
+    @classmethod
+    def empty(cls, n: int) -> Links:
+        return cls([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+
+    def add(self, src: int, dst: int, nbytes: float, nodes: Sequence[int]) -> None:
+        if nodes[src] == nodes[dst]:
+            self.send_intra[src] += nbytes
+            self.recv_intra[dst] += nbytes
+        else:
+            self.send_inter[src] += nbytes
+            self.recv_inter[dst] += nbytes
+
+    def sent(self, rank: int) -> float:
+        return self.send_intra[rank] + self.send_inter[rank]
+
+    def seconds(self, hw: Hardware) -> float:
+        """The busiest rank's busiest link; each link carries one send and one receive at once."""
+        worst = 0.0
+        for si, se, ri, re in zip(
+            self.send_intra, self.send_inter, self.recv_intra, self.recv_inter, strict=True
+        ):
+            worst = max(worst, max(si, ri) / hw.intra_node_bandwidth, max(se, re) / hw.inter_node_bandwidth)
+        return hw.collective_latency + worst
+
+
+def _gather(links: Links, entry: MatrixEntry, size: Sequence[float], nodes: Sequence[int]) -> None:
+    """Every rank reads every block of its replica: sums per (replica, node) keep this O(ranks)."""
+    n = len(size)
+    replica = entry.replica_of or (0,) * n
+    node_sum: dict[tuple[int, int], float] = {}
+    node_count: dict[tuple[int, int], int] = {}
+    total: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for r in range(n):
+        key = (replica[r], nodes[r])
+        node_sum[key] = node_sum.get(key, 0.0) + size[r]
+        node_count[key] = node_count.get(key, 0) + 1
+        total[replica[r]] = total.get(replica[r], 0.0) + size[r]
+        count[replica[r]] = count.get(replica[r], 0) + 1
+    for r in range(n):
+        key = (replica[r], nodes[r])
+        links.recv_intra[r] += node_sum[key] - size[r]
+        links.recv_inter[r] += total[replica[r]] - node_sum[key]
+        links.send_intra[r] += size[r] * (node_count[key] - 1)
+        links.send_inter[r] += size[r] * (count[replica[r]] - node_count[key])
+
+
+def to_owner_links(
+    plan: Plan, members: Sequence[int], owners: Sequence[int], itemsize: int, nodes: Sequence[int]
+) -> Links:
+    """Traffic of one round's all-to-all to the owners (gather mode: to everyone). A replicated
+    matrix stays put (its owner holds it); with replicas, an owner reads its own replica's blocks."""
+    links = Links.empty(plan.group_size)
+    for member, owner in zip(members, owners, strict=True):
+        entry = plan.entries[member]
+        if entry.replicated:
+            continue
+        size = [block_numel(b) * itemsize for b in entry.blocks]
+        if owner == EVERYONE:
+            _gather(links, entry, size, nodes)
+            continue
+        for r in range(plan.group_size):
+            if r != owner and entry.feeds(r, owner):
+                links.add(r, owner, size[r], nodes)
+    return links
+
+
+def back_links(
+    plan: Plan, members: Sequence[int], owners: Sequence[int], itemsize: int, nodes: Sequence[int]
+) -> Links:
+    """Traffic of one round's all-to-all back: each owner sends every other rank its block."""
+    links = Links.empty(plan.group_size)
+    for member, owner in zip(members, owners, strict=True):
+        if owner == EVERYONE:
+            continue
+        for r, block in enumerate(plan.entries[member].blocks):
+            if r != owner:
+                links.add(owner, r, block_numel(block) * itemsize, nodes)
+    return links
