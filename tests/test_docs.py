@@ -290,5 +290,5 @@ def test_readme_test_command_installs_what_the_tests_need() -> None:
     block = re.search(r"Set up and run the tests.*?```bash\n(.+?)\n```", README.read_text(), re.S)
     assert block, "README.md lost its 'Set up and run the tests' command (.ci/run runs it)"
     command = block.group(1)
-    assert "pip install torch==" in command and "'.[test,hf]'" in command
+    assert "pip install torch==" in command and "'.[test,hf,lightning]'" in command
     assert command.endswith("&& .venv/bin/python -m pytest -q")

@@ -27,16 +27,17 @@ def _sum_over(group: dist.ProcessGroup) -> float:
 
 
 def restart_in_process(store: str) -> dict[str, Any]:
-    """Create the groups, restart the process group, create them again and use them."""
+    """Create the groups, restart the process group, create them again and use them. Axes (0, 1)
+    of a 3-D mesh: a new group (all axes of a mesh of every rank would be the default group)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world, 1))
+    mesh = init_device_mesh("cpu", (world, 1, 1))
     first, first_save = comm.exchange_group(mesh, (0, 1)), comm.save_group(None)
     before = _sum_over(first)
     dist.destroy_process_group()
     del mesh
     gc.collect()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world, 1))
+    mesh = init_device_mesh("cpu", (world, 1, 1))
     second, second_save = comm.exchange_group(mesh, (0, 1)), comm.save_group(None)
     comm.barrier(second_save)
     gc.collect()
