@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from . import validation
+from . import agreement, validation
 from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
 from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
@@ -181,7 +181,7 @@ class Muon(Optimizer):
                 loss = closure()
         self._follow_replaced_params()
         configs = [validation.check_group(g) for g in self.param_groups]
-        validation.agree(self.param_groups, self._process_group)  # before any other collective
+        agreement.agree(self.param_groups, self._process_group)  # before any other collective
         shardings = [
             self._sharding(i, g) if c else None for i, (g, c) in enumerate(zip(self.param_groups, configs))
         ]

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
+from muon_dtensor.agreement import AGREED_KEYS
 from muon_dtensor.newton_schulz import (
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
@@ -34,7 +35,7 @@ from muon_dtensor.newton_schulz import (
     uses_gram,
 )
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
-from muon_dtensor.validation import AGREED_KEYS, check_muon_group, resolve_ns_config
+from muon_dtensor.validation import check_muon_group, resolve_ns_config
 from tests.models import full, step_together
 from tests.ranks import run_ranks
 
