@@ -292,3 +292,12 @@ def test_readme_test_command_installs_what_the_tests_need() -> None:
     command = block.group(1)
     assert "pip install torch==" in command and "'.[test,hf,lightning]'" in command
     assert command.endswith("&& .venv/bin/python -m pytest -q")
+
+
+def test_the_agreed_settings_are_listed_in_unsupported_md() -> None:
+    from muon_dtensor.agreement import AGREED_KEYS
+
+    text = " ".join((ROOT / "docs" / "unsupported.md").read_text().split())
+    listed = re.search(r"the same settings: (.+?)\. Cost", text)
+    assert listed, "docs/unsupported.md lost its list of the settings ranks must agree on"
+    assert re.findall(r"`(\w+)`", listed.group(1)) == list(AGREED_KEYS)
