@@ -84,6 +84,15 @@ def _apply(intervals: tuple[Interval, ...], shard: AxisShard, coord: int) -> tup
     return tuple(out) if out else ((0, 0),)
 
 
+def _unravel(flat: int, sizes: Sequence[int]) -> list[int]:
+    """The coordinates of row-major index ``flat`` in a grid of ``sizes``."""
+    coords = []
+    for size in reversed(sizes):
+        coords.append(flat % size)
+        flat //= size
+    return coords[::-1]
+
+
 def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Block, ...]:
     """The block of every rank of the exchange group, in row-major order of the sharded mesh axes.
 
@@ -93,11 +102,7 @@ def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Blo
     sizes = [s.size for s in shards]
     blocks: list[Block] = []
     for flat in range(math.prod(sizes)):
-        coords, rest = [], flat
-        for size in reversed(sizes):
-            coords.append(rest % size)
-            rest //= size
-        coords.reverse()
+        coords = _unravel(flat, sizes)
         dims = [list(d) for d in full_block(shape)]
         for shard, coord in zip(shards, coords):
             dims[shard.dim] = list(_apply(tuple(dims[shard.dim]), shard, coord))
@@ -116,11 +121,7 @@ def mesh_blocks(
     out: list[Block] = []
     replica_of: list[int] = []
     for flat in range(math.prod(mesh_shape)):
-        coords, rest = [], flat
-        for size in reversed(mesh_shape):
-            coords.append(rest % size)
-            rest //= size
-        coords.reverse()
+        coords = _unravel(flat, mesh_shape)
         shard, replica = 0, 0
         for axis, coord in enumerate(coords):
             if axis in sharded:
