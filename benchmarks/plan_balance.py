@@ -1,4 +1,4 @@
-"""Owner-plan balance for Llama-3-8B and Llama-3-70B hidden matrices at 8 to 1,024 ranks.
+"""Owner-plan balance for Llama-3-8B, Llama-3-70B (and 3.1-405B) hidden matrices at 8 to 1,024 ranks.
 
 For each model and shard-group size N it builds the plan muon_dtensor builds (``build_plan`` over
 FSDP2's ``Shard(0)`` blocks, via ``costmodel.sharded_plan``) and prints, as a markdown table:
@@ -9,12 +9,17 @@ FSDP2's ``Shard(0)`` blocks, via ``costmodel.sharded_plan``) and prints, as a ma
 - **pigeonhole bound**, tighter: among the j N + 1 costliest matrices some rank gets j + 1, so its
   load is at least the j + 1 cheapest of them (j = 1, 2, ...). Still a lower bound, not the optimum;
 - owner traffic per rank (mean, and max over ranks) against 2 S (N-1) / N^2;
-- the cost model's owner step on H200s (``Hardware.h200()``, the code as built), for orientation.
+- the cost model's owner step on H200s (``Hardware.h200()``, the code as built), for orientation;
+- **split** (issue 11, modelled only, not built): ``planning.split.plan_splits``, the largest
+  matrices' Newton-Schulz over k ranks of a node where that pays: how many matrices are split, the
+  busiest rank's Newton-Schulz seconds (all-reduces and copies included) without and with splits,
+  the split plan's imbalance, and the cost model's step with ``predict(..., split=True)``.
 
 Pure arithmetic, no processes: a few seconds. Examples, from the repository root::
 
     python benchmarks/plan_balance.py
     python benchmarks/plan_balance.py --ranks 8,64 --models llama3-8b
+    python benchmarks/plan_balance.py --models llama3-8b,llama3-70b,llama3.1-405b
 """
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
-from muon_dtensor.planning.costmodel import LLAMA3_8B, LLAMA3_70B, predict, sharded_plan  # noqa: E402
+from muon_dtensor.planning.costmodel import (  # noqa: E402
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA31_405B,
+    predict,
+    sharded_plan,
+)
+from muon_dtensor.planning.split import plan_splits  # noqa: E402
 
-MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3.1-405b": LLAMA31_405B}
+DEFAULT_MODELS = "llama3-8b,llama3-70b"
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 BF16_BYTES = 2
 TARGET = 1.06  # issue 6: plan balance <= 1.06x at 8 and 64 ranks
@@ -45,7 +58,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "plan_balance.json"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated group sizes")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
+    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {sorted(MODELS)}")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     return p.parse_args(argv)
 
@@ -81,21 +94,38 @@ def balance_row(model: str, shapes: list[tuple[int, int]], n: int) -> dict[str, 
         "bytes_sent_max": max(sent),
         "owner_formula": 2 * s_bytes * (n - 1) / n**2,
         "predicted_owner_ms_h200": predict(shapes, n).total * 1e3,
+    } | split_columns(shapes, n)
+
+
+def split_columns(shapes: list[tuple[int, int]], n: int) -> dict[str, Any]:
+    """The split plan's figures (modelled only): splits, NS seconds without/with, imbalance, step."""
+    split, whole = plan_splits(shapes, n), plan_splits(shapes, n, max_k=1)
+    return {
+        "split_count": split.split_count,
+        "split_ks": sorted(set(split.ks) - {1}),
+        "whole_ns_ms": whole.makespan * 1e3,
+        "split_ns_ms": split.makespan * 1e3,
+        "split_imbalance": split.imbalance,
+        "predicted_split_ms_h200": predict(shapes, n, split=True).total * 1e3,
     }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | ranks | imbalance (max/mean) | lower bound max(largest, mean)/mean | pigeonhole bound "
-        "| owner MB sent/rank (mean / max) | 2S(N-1)/N^2 MB | model: owner step on H200, ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| owner MB sent/rank (mean / max) | 2S(N-1)/N^2 MB | model: owner step on H200, ms "
+        "| split: matrices (k) | split: NS ms whole -> split | split imbalance | model: split step, ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['ranks']} | {r['imbalance']:.3f} | {r['lower_bound']:.3f} "
             f"| {r['pigeonhole_bound']:.3f} "
             f"| {r['bytes_sent_mean'] / 1e6:,.0f} / {r['bytes_sent_max'] / 1e6:,.0f} "
-            f"| {r['owner_formula'] / 1e6:,.0f} | {r['predicted_owner_ms_h200']:.1f} |"
+            f"| {r['owner_formula'] / 1e6:,.0f} | {r['predicted_owner_ms_h200']:.1f} "
+            f"| {r['split_count']} ({','.join(map(str, r['split_ks'])) or '-'}) "
+            f"| {r['whole_ns_ms']:.1f} -> {r['split_ns_ms']:.1f} | {r['split_imbalance']:.2f} "
+            f"| {r['predicted_split_ms_h200']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -12,10 +12,18 @@ group per node), owners per replica (every replica orthogonalizes every matrix: 
 shard group), owners over the mesh (each matrix once in the mesh, results sent across nodes), the
 choice of ``owners="auto"``, and what-ifs. Goal (issue 11): Llama-3-8B on 8x8 <= 30 ms.
 
+Split (issue 11, modelled only, not built): every owner-mode row has a twin with the largest
+matrices' Newton-Schulz run over k ranks of a node where that pays (``predict(..., split=True)``,
+``planning/split.py``). ``--grid`` prints the table of docs/benchmarks.md section 8: Llama-3-8B,
+70B and 3.1-405B at 8, 64, 256 and 1,024 H200s, FSDP and 8-way shard x R HSDP (owners per replica
+and over the mesh), standard and split. Goals (issue 11): Llama-3-70B at 1,024 <= 40 ms,
+Llama-3-8B falling with ranks up to 1,024.
+
 Pure arithmetic (muon_dtensor/planning/costmodel.py); no GPU needed. Examples, from the repository root::
 
     python benchmarks/predict_h200.py
     python benchmarks/predict_h200.py --ranks 8,16,32,64 --models llama3-8b,llama3-70b --hsdp 8x8,8x4
+    python benchmarks/predict_h200.py --grid   # a few minutes: 72 predictions, up to 1,024 ranks
 """
 
 from __future__ import annotations
@@ -36,13 +44,22 @@ from muon_dtensor.planning.costmodel import (  # noqa: E402
     FUSED,
     LLAMA3_8B,
     LLAMA3_70B,
+    LLAMA31_405B,
     Hardware,
     Implementation,
     predict,
 )
 
-MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
-GOALS_MS = {("llama3-8b", 8): 130.0, ("llama3-8b", 64): 25.0, ("llama3-8b", "8x8"): 30.0}
+MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3.1-405b": LLAMA31_405B}
+GOALS_MS = {
+    ("llama3-8b", 8): 130.0,
+    ("llama3-8b", 64): 25.0,
+    ("llama3-8b", "8x8"): 30.0,
+    ("llama3-70b", 1024): 40.0,
+}
+GRID_MODELS = ("llama3-8b", "llama3-70b", "llama3.1-405b")
+GRID_GPUS = (8, 64, 256, 1024)
+SPLIT_LABEL = "owner + split (modelled, not built)"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "predict_h200.json"
 # Pessimistic figures: NS at ~60% of the datasheet's 989 TFLOP/s, links at 70% of peak, 10 us per op.
 PESSIMISTIC = Hardware.h200(
@@ -72,6 +89,7 @@ HSDP_CASES: list[tuple[str, str, Implementation, Hardware]] = [
     ('owners="mesh" + fused elementwise (not built)', "mesh", FUSED, Hardware.h200()),
     ('owners="mesh", pessimistic hardware', "mesh", CURRENT, PESSIMISTIC),
     ('owners="replica", pessimistic hardware', "replica", CURRENT, PESSIMISTIC),
+    ('owners="mesh" + split (modelled, not built)', "mesh+split", CURRENT, Hardware.h200()),
 ]
 
 
@@ -81,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="llama3-8b,llama3-70b", help=f"of {sorted(MODELS)}")
     p.add_argument("--hsdp", default="8x8", help="comma-separated shards x replicas layouts (8x8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    p.add_argument("--grid", action="store_true", help="also the model x GPUs x layout x split grid")
     return p.parse_args(argv)
 
 
@@ -93,14 +112,59 @@ def rows_for(model: str, n: int) -> list[dict[str, Any]]:
             {"model": model, "ranks": n, "case": label, "goal_ms": goal, "prediction": asdict(p)}
             | {"meets_goal": None if goal is None or mode != "owner" else p.total * 1e3 <= goal}
         )
+    p = predict(MODELS[model], n, split=True)
+    goal = GOALS_MS.get((model, n))
+    rows.append(
+        {"model": model, "ranks": n, "case": SPLIT_LABEL, "goal_ms": goal, "prediction": asdict(p)}
+        | {"meets_goal": None if goal is None else p.total * 1e3 <= goal}
+    )
     return rows
+
+
+def grid_rows() -> list[dict[str, Any]]:
+    """Section 8's table: each model at each GPU count as FSDP and as 8 x R HSDP, per replica and
+    over the mesh, standard and split (8 GPUs: one shard group, HSDP is FSDP)."""
+    rows = []
+    for model in GRID_MODELS:
+        for gpus in GRID_GPUS:
+            layouts = [("FSDP", gpus, 1, "replica")]
+            if gpus > 8:
+                layouts += [(f"HSDP 8x{gpus // 8}", 8, gpus // 8, o) for o in ("replica", "mesh")]
+            for layout, shards, replicas, owners in layouts:
+                std, split = (
+                    predict(MODELS[model], shards, replicas=replicas, owners=owners, split=s)
+                    for s in (False, True)
+                )
+                rows.append(
+                    {"model": model, "gpus": gpus, "layout": layout, "owners": owners}
+                    | {"standard": asdict(std), "split": asdict(split)}
+                )
+    return rows
+
+
+def format_grid(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | H200s | layout | owners | standard: step ms (NS, comm) | split: step ms (NS, comm) "
+        "| imbalance standard -> split |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        a, b = r["standard"], r["split"]
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['layout']} | {r['owners']} "
+            f"| {a['total'] * 1e3:.1f} ({a['newton_schulz'] * 1e3:.1f}, {a['comm'] * 1e3:.1f}) "
+            f"| {b['total'] * 1e3:.1f} ({b['newton_schulz'] * 1e3:.1f}, {b['comm'] * 1e3:.1f}) "
+            f"| {a['imbalance']:.2f} -> {b['imbalance']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def hsdp_rows(model: str, layout: str) -> list[dict[str, Any]]:
     shards, replicas = (int(v) for v in layout.split("x"))
     rows = []
     for label, owners, impl, hw in HSDP_CASES:
-        p = predict(MODELS[model], shards, hw, impl=impl, replicas=replicas, owners=owners)
+        chosen, split = owners.removesuffix("+split"), owners.endswith("+split")
+        p = predict(MODELS[model], shards, hw, impl=impl, replicas=replicas, owners=chosen, split=split)
         goal = GOALS_MS.get((model, layout))
         case = f"HSDP {layout}, {label}" + (f": {p.owners}" if owners == "auto" else "")
         rows.append(
@@ -143,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         "hardware_pessimistic": asdict(PESSIMISTIC),
         "rows": rows,
     }
+    if args.grid:
+        payload["grid"] = grid_rows()
+        print(format_grid(payload["grid"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results written to {args.out}")

@@ -49,6 +49,7 @@ __all__ = [
     "CURRENT",
     "CURRENT_CPU",
     "FUSED",
+    "LLAMA31_405B",
     "LLAMA3_70B",
     "LLAMA3_8B",
     "Hardware",
@@ -144,6 +145,8 @@ def transformer_shapes(
 # Llama-3-70B dim 8192, 8 kv heads x 128, ffn 28672, 80 layers.
 LLAMA3_8B = transformer_shapes(32, 4096, kv_rows=1024, ffn=14336, gated=True)
 LLAMA3_70B = transformer_shapes(80, 8192, kv_rows=1024, ffn=28672, gated=True)
+# Llama-3.1-405B (Meta's params.json): dim 16384, 8 kv heads x 128, ffn 53248, 126 layers.
+LLAMA31_405B = transformer_shapes(126, 16384, kv_rows=1024, ffn=53248, gated=True)
 
 
 @lru_cache(maxsize=4096)
@@ -319,13 +322,39 @@ def _predict_plan(
 ) -> tuple[float, dict[str, float]]:
     """The step's seconds on ``plan`` (group rank r on node ``nodes[r]``), and its phases."""
     p = _phases(plan, hw, impl, ns_steps, itemsize, nodes, algorithm)
+    return _total(p, hw), p
+
+
+def _total(p: dict[str, float], hw: Hardware) -> float:
     if hw.async_host:  # the host runs ahead of the device; its post work hides behind the exchange
-        total = max(p["pre_dev"], p["pre_host"]) + max(
+        return max(p["pre_dev"], p["pre_host"]) + max(
             p["mid_dev"] + p["post_dev"], p["mid_host"] + p["post_host"]
         )
-    else:
-        total = sum(p[k] for k in ("pre_dev", "mid_dev", "post_dev", "pre_host", "mid_host", "post_host"))
-    return total, p
+    return sum(p[k] for k in ("pre_dev", "mid_dev", "post_dev", "pre_host", "mid_host", "post_host"))
+
+
+def _with_splits(
+    plan: Plan,
+    p: dict[str, float],
+    hw: Hardware,
+    nodes: Sequence[int],
+    ns_steps: int,
+    itemsize: int,
+    algorithm: str,
+) -> tuple[float, dict[str, float]]:
+    """The step with the largest matrices split over a few ranks (``split.py``; modelled only)."""
+    from .split import split_exchange_seconds  # not at the top: split.py imports this module
+
+    mid, comm, splits = split_exchange_seconds(
+        plan, hw, nodes, ns_steps=ns_steps, itemsize=itemsize, ns_algorithm=algorithm
+    )
+    # "ns" counts the splits' all-reduces too; "comm" is the exchange's all-to-alls.
+    q = p | {"mid_dev": mid, "ns": splits.makespan, "imbalance": splits.imbalance}
+    q["comm"] = p["preflight"] + comm
+    # Only where it pays: with no split chosen, or a slower step, the plan stays as it is.
+    if splits.split_count and _total(q, hw) < _total(p, hw):
+        return _total(q, hw), q
+    return _total(p, hw), p
 
 
 def predict(
@@ -340,6 +369,7 @@ def predict(
     ns_algorithm: str = "standard",
     replicas: int = 1,
     owners: str = "replica",
+    split: bool = False,
 ) -> Prediction:
     """Predict one step. ``mode``: "owner", "gather", or "redundant" (Newton-Schulz of every matrix
     on one device and nothing else: the cost every rank pays when each orthogonalizes everything).
@@ -347,7 +377,9 @@ def predict(
     ``world_size`` ranks shard each matrix; ``replicas`` > 1 is HSDP, mesh rank ``r`` in replica
     ``r // world_size`` (a node holds whole shard groups when they fit). ``owners``: ``"replica"``
     (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
-    ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two)."""
+    ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two). ``split``: run the
+    largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``;
+    modelled only, the step does not split yet)."""
     hw = hw or Hardware.h200()
     if mode == "redundant":
         config = _ns_config(ns_steps, itemsize, ns_algorithm)
@@ -356,7 +388,7 @@ def predict(
     if replicas > 1 and owners == "auto":
         both = [
             predict(shapes, world_size, hw, mode=mode, impl=impl, ns_steps=ns_steps, itemsize=itemsize,
-                    ns_algorithm=ns_algorithm, replicas=replicas, owners=o)
+                    ns_algorithm=ns_algorithm, replicas=replicas, owners=o, split=split)
             for o in ("mesh", "replica")
         ]  # fmt: skip
         return min(both, key=lambda p: p.total)
@@ -367,6 +399,8 @@ def predict(
         plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
     nodes = [r // hw.gpus_per_node for r in range(plan.group_size)]
     total, p = _predict_plan(plan, hw, impl, ns_steps, itemsize, nodes, ns_algorithm)
+    if split and mode == "owner" and plan.group_size > 1:
+        total, p = _with_splits(plan, p, hw, nodes, ns_steps, itemsize, ns_algorithm)
     return _prediction(mode, world_size, total, p, plan, replicas, "mesh" if across else "replica")
 
 
@@ -384,7 +418,7 @@ def _prediction(
         collectives=int(p["collectives"]),
         bytes_sent_mean=p["sent_mean"],
         bytes_sent_max=p["sent_max"],
-        imbalance=plan.imbalance,
+        imbalance=p.get("imbalance", plan.imbalance),
         replicas=replicas,
         owners=owners,
     )

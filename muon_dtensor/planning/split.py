@@ -1,0 +1,274 @@
+"""Which matrices to split, over how many ranks, and the owner loads that result (issue 11, item 2).
+
+A split runs one matrix's Newton-Schulz over k ranks (``split_ns.py``): each rank holds a column
+block of the wide form (m <= n) and, per iteration, computes its partial Gram matrix
+``X_i X_i^T`` (2 m^2 n / k flops), takes part in an all-reduce of the m x m sum, squares it on its
+own (``A A``, 2 m^3: not split, every rank of the group repeats it) and updates its block
+(``(b A + c A A) X_i``, 2 m^2 n / k). So per rank and iteration ``4 m^2 n / k + 2 m^3`` flops and
+one all-reduce of ``m^2`` elements; one more all-reduce (one scalar per matrix) for the norm.
+
+A ring all-reduce of B bytes over k ranks sends ``2 (k - 1) / k B`` per rank. The k ranks of a
+split are k consecutive ranks aligned to k, with ``k`` dividing the node size, so the all-reduce
+stays on NVLink. Splitting pays only where one matrix's whole iteration is longer than the mean
+load per rank: for each cap K on k (1, 2, 4, 8), ``plan_splits`` picks, per such shape, the smallest
+k <= K whose time per rank fits under the mean (or the fastest), balances, and keeps the plan with
+the shortest makespan (no split on a tie).
+
+The balance is LPT with gangs: tasks longest first; a whole matrix goes to the least-loaded rank,
+a split one to the aligned group of k ranks whose busiest rank is least loaded, and occupies all k
+from that rank's load on (they run the iteration in lockstep). Pure arithmetic and frozen data; the
+runtime plan (``_sharding/plan.py``) and the step do not use it yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._sharding.blocks import block_numel
+from .._sharding.plan import Plan
+from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from .hardware import Hardware
+from .links import Links
+
+__all__ = [
+    "SplitPlan",
+    "allreduce_seconds",
+    "plan_splits",
+    "split_exchange_seconds",
+    "split_links",
+    "split_flops",
+    "split_seconds",
+]
+
+Shape = tuple[int, int]
+
+
+def split_flops(shape: Sequence[int], k: int, steps: int = 5) -> int:
+    """Newton-Schulz flops on each of ``k`` ranks sharing one matrix: ``steps`` times
+    ``4 m^2 ceil(n / k) + 2 m^3`` (m <= n); ``k = 1`` is ``newton_schulz.ns_flops``."""
+    m, n = sorted((int(shape[0]), int(shape[1])))
+    return steps * (4 * m * m * math.ceil(n / k) + 2 * m**3)
+
+
+def allreduce_seconds(nbytes: float, k: int, hw: Hardware) -> float:
+    """A ring all-reduce of ``nbytes`` over ``k`` ranks of one node: ``2 (k - 1) / k`` of the bytes
+    each way on every rank's NVLink, plus one collective latency. Over one rank: nothing."""
+    if k <= 1:
+        return 0.0
+    return hw.collective_latency + 2 * (k - 1) / k * nbytes / hw.intra_node_bandwidth
+
+
+def split_seconds(
+    shape: Sequence[int], k: int, hw: Hardware, *, steps: int = 5, itemsize: int = 2, packs: int = 2
+) -> float:
+    """Device seconds of one matrix's Newton-Schulz on each of its ``k`` ranks: the flops of
+    ``split_flops``, ``steps`` all-reduces of the m x m Gram matrix and one of the norm, and the
+    copies (assemble this rank's block, pack the result ``packs - 1`` times, ``itemsize`` bytes each
+    read and written) at the memory bandwidth."""
+    m, n = sorted((int(shape[0]), int(shape[1])))
+    flops = split_flops(shape, k, steps) / hw.matmul_flops
+    reduces = steps * allreduce_seconds(m * m * itemsize, k, hw) + allreduce_seconds(4, k, hw)
+    copies = packs * m * math.ceil(n / k) * 2 * itemsize / hw.memory_bandwidth
+    return flops + reduces + copies
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Per matrix (in ``shapes`` order): ``ks[i]`` ranks share it (1: whole, one owner) and
+    ``ranks[i]`` are they; ``seconds[i]`` is its time on each of them. ``loads`` are each rank's
+    busy seconds, gangs waiting for their busiest rank included."""
+
+    world_size: int
+    ks: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    seconds: tuple[float, ...]
+    loads: tuple[float, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.loads, default=0.0)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank over the mean; 1.0 is perfect."""
+        mean = sum(self.loads) / len(self.loads)
+        return self.makespan / mean if mean else 1.0
+
+    @property
+    def split_count(self) -> int:
+        return sum(k > 1 for k in self.ks)
+
+
+def _whole_seconds(shape: Shape, hw: Hardware, config: NSConfig, itemsize: int, packs: int) -> float:
+    """One owner, the whole matrix: what ``costmodel`` counts for it (Gram form where it pays)."""
+    copies = packs * shape[0] * shape[1] * 2 * itemsize / hw.memory_bandwidth
+    return orthogonalize_flops(shape, config) / hw.matmul_flops + copies
+
+
+def _candidates(world_size: int, hw: Hardware, max_k: int | None) -> list[int]:
+    """Split sizes: powers of two that divide the node size (all-reduce on NVLink) and the group."""
+    limit = min(hw.gpus_per_node, world_size, max_k or world_size)
+    return [k for k in (2**i for i in range(1, 11)) if k <= limit and hw.gpus_per_node % k == 0]
+
+
+def _gang_balance(
+    seconds: Sequence[float], ks: Sequence[int], n: int
+) -> tuple[list[tuple[int, ...]], list[float]]:
+    """LPT with gangs (module docstring): the ranks of each task and every rank's load."""
+    loads = [0.0] * n
+    ranks: list[tuple[int, ...]] = [()] * len(seconds)
+    for i in sorted(range(len(seconds)), key=lambda j: (-seconds[j] * ks[j], j)):
+        k = ks[i]
+        if k == 1:
+            best = min(range(n), key=lambda r: (loads[r], r))
+            group: tuple[int, ...] = (best,)
+        else:
+            start = min(range(0, n - k + 1, k), key=lambda s: (max(loads[s : s + k]), s))
+            group = tuple(range(start, start + k))
+        begin = max(loads[r] for r in group)
+        for r in group:
+            loads[r] = begin + seconds[i]
+        ranks[i] = group
+    return ranks, loads
+
+
+def _choose_k(whole: float, by_k: dict[int, float], mean: float) -> int:
+    """The smallest k whose time fits under the mean load, else the fastest; 1 when whole fits."""
+    if whole <= mean or not by_k:
+        return 1
+    fits = [k for k in sorted(by_k) if by_k[k] <= mean]
+    k = fits[0] if fits else min(by_k, key=lambda j: (by_k[j], j))
+    return k if by_k[k] < whole else 1
+
+
+def plan_splits(
+    shapes: Sequence[Shape],
+    world_size: int,
+    hw: Hardware | None = None,
+    *,
+    ns_steps: int = 5,
+    itemsize: int = 2,
+    ns_algorithm: str = "standard",
+    max_k: int | None = None,
+    packs: int = 2,
+) -> SplitPlan:
+    """Split decisions and balanced loads for ``shapes`` on ``world_size`` owner ranks (module
+    docstring). ``packs``: copies per element on an owner (assemble + 1 per replica sent back)."""
+    if world_size < 1:
+        raise ValueError(f"plan_splits: world_size must be >= 1 but is {world_size}")
+    hw = hw or Hardware.h200()
+    dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    config = NSConfig((DEFAULT_COEFFICIENTS,) * ns_steps, dtype=dtype, algorithm=ns_algorithm)
+    keys: list[Shape] = [(int(s[0]), int(s[1])) for s in shapes]
+    distinct = sorted(set(keys))
+    whole = {s: _whole_seconds(s, hw, config, itemsize, packs) for s in distinct}
+    options = {
+        s: {
+            k: split_seconds(s, k, hw, steps=ns_steps, itemsize=itemsize, packs=packs)
+            for k in _candidates(world_size, hw, max_k)
+        }
+        for s in distinct
+    }
+    plans = [
+        _plan(keys, world_size, _choices(keys, world_size, whole, options, cap), whole, options)
+        for cap in [1, *_candidates(world_size, hw, max_k)]
+    ]
+    return min(plans, key=lambda p: p.makespan)  # the first, unsplit, on a tie: split only if it pays
+
+
+def _choices(
+    shapes: Sequence[Shape],
+    n: int,
+    whole: dict[Shape, float],
+    options: dict[Shape, dict[int, float]],
+    cap: int,
+) -> dict[Shape, int]:
+    """Per shape, k up to ``cap`` (``_choose_k``) against the mean load, which splitting raises (the
+    repeated m^3, the all-reduces): re-read until the choice is stable."""
+    chosen = {s: 1 for s in whole}
+    for _ in range(8):
+        seconds = {s: options[s][k] if k > 1 else whole[s] for s, k in chosen.items()}
+        mean = sum(seconds[s] * chosen[s] for s in shapes) / n
+        capped = {s: {k: t for k, t in options[s].items() if k <= cap} for s in whole}
+        update = {s: _choose_k(whole[s], capped[s], mean) for s in whole}
+        if update == chosen:
+            break
+        chosen = update
+    return chosen
+
+
+def _plan(
+    shapes: Sequence[Shape],
+    n: int,
+    chosen: dict[Shape, int],
+    whole: dict[Shape, float],
+    options: dict[Shape, dict[int, float]],
+) -> SplitPlan:
+    ks = [chosen[s] for s in shapes]
+    seconds = [options[s][k] if k > 1 else whole[s] for s, k in zip(shapes, ks)]
+    ranks, loads = _gang_balance(seconds, ks, n)
+    return SplitPlan(n, tuple(ks), tuple(ranks), tuple(seconds), tuple(loads))
+
+
+def split_links(
+    plan: Plan, members: Sequence[int], splits: SplitPlan, itemsize: int, nodes: Sequence[int]
+) -> tuple[Links, Links]:
+    """One round's all-to-all to the owners and back with ``splits``' ranks: a matrix on k ranks
+    takes 1/k of each source's block on each of them (a column block of the wide form, whichever
+    way the matrix is sharded), and each of them sends 1/k of every rank's block back."""
+    to_owners, back = Links.empty(plan.group_size), Links.empty(plan.group_size)
+    for i in members:
+        entry, group = plan.entries[i], splits.ranks[i]
+        share = 1.0 / len(group)
+        for r, block in enumerate(entry.blocks):
+            nbytes = block_numel(block) * itemsize * share
+            for g in group:
+                if g == r:
+                    continue
+                if not entry.replicated and entry.feeds(r, g):
+                    to_owners.add(r, g, nbytes, nodes)
+                back.add(g, r, nbytes, nodes)
+    return to_owners, back
+
+
+def split_exchange_seconds(
+    plan: Plan,
+    hw: Hardware,
+    nodes: Sequence[int],
+    *,
+    ns_steps: int = 5,
+    itemsize: int = 2,
+    ns_algorithm: str = "standard",
+) -> tuple[float, float, SplitPlan]:
+    """Device seconds of the exchange phase of ``plan`` (owner mode) with splits, the seconds of its
+    all-to-alls, and the splits:
+    the plan's rounds, pipelined as ``costmodel._pipeline`` does, each member computed and its
+    traffic sent on the ranks ``plan_splits`` gives it (a round's compute: its busiest rank's sum)."""
+    from .costmodel import _pipeline  # costmodel imports this module only inside predict
+
+    replicas = max((len(set(e.replica_of)) for e in plan.entries if e.replica_of is not None), default=1)
+    shapes = [e.shape for e in plan.entries]
+    splits = plan_splits(
+        shapes,
+        plan.group_size,
+        hw,
+        ns_steps=ns_steps,
+        itemsize=itemsize,
+        ns_algorithm=ns_algorithm,
+        packs=1 + replicas,
+    )
+    compute, to_owner, back = [], [], []
+    for rnd in plan.rounds:
+        busy = [0.0] * plan.group_size
+        for i in rnd.members:
+            for r in splits.ranks[i]:
+                busy[r] += splits.seconds[i]
+        compute.append(max(busy))
+        into, out = split_links(plan, rnd.members, splits, itemsize, nodes)
+        to_owner.append(into.seconds(hw))
+        back.append(out.seconds(hw))
+    return _pipeline(compute, to_owner, back), sum(to_owner) + sum(back), splits

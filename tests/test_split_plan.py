@@ -1,0 +1,136 @@
+"""The split planning layer (``muon_dtensor/planning/split.py``) and ``predict(..., split=True)``.
+
+Pure arithmetic, no processes. The plan decides which matrices run their Newton-Schulz over k
+ranks; these tests pin that it splits only where the cost model says it pays, that a split matrix
+occupies k aligned ranks of one node, that the loads account for every piece, and that the default
+prediction (``split=False``) is the one the optimizer's plan gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
+from muon_dtensor._sharding.plan import MatrixEntry, build_plan
+from muon_dtensor.newton_schulz import ns_flops
+from muon_dtensor.planning.costmodel import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Hardware, predict
+from muon_dtensor.planning.split import (
+    SplitPlan,
+    _gang_balance,
+    allreduce_seconds,
+    plan_splits,
+    split_flops,
+    split_links,
+    split_seconds,
+)
+
+RANKS = [8, 16, 64, 128, 256, 512, 1024]
+
+
+def test_split_flops_are_the_derived_formula() -> None:
+    m, n = 8192, 28672
+    assert split_flops((n, m), 1) == ns_flops((m, n), 5)
+    assert split_flops((m, n), 4, steps=1) == 4 * m * m * (n // 4) + 2 * m**3
+    assert split_flops((m, n), 3, steps=1) == 4 * m * m * -(-n // 3) + 2 * m**3  # ragged: the largest block
+
+
+def test_allreduce_is_a_ring_on_nvlink() -> None:
+    hw = Hardware.h200()
+    assert allreduce_seconds(1e9, 1, hw) == 0.0
+    assert allreduce_seconds(1e9, 8, hw) == pytest.approx(
+        hw.collective_latency + 1.75e9 / hw.intra_node_bandwidth
+    )
+    assert split_seconds((8192, 28672), 2, hw) < split_seconds((8192, 28672), 1, hw)
+
+
+def _check_plan(plan: SplitPlan, shapes: list[tuple[int, int]], n: int, node: int) -> None:
+    assert len(plan.ks) == len(plan.ranks) == len(plan.seconds) == len(shapes) and len(plan.loads) == n
+    for k, ranks in zip(plan.ks, plan.ranks):
+        assert len(ranks) == k and k in (1, 2, 4, 8) and node % k == 0
+        assert ranks == tuple(range(ranks[0], ranks[0] + k)) and ranks[0] % k == 0, "aligned, one node"
+    work = sum(s * k for s, k in zip(plan.seconds, plan.ks))
+    assert sum(plan.loads) >= work * (1 - 1e-12), "every piece is on some rank's load"
+    busiest = [0.0] * n
+    for seconds, ranks in zip(plan.seconds, plan.ranks):
+        for r in ranks:
+            busiest[r] += seconds
+    assert all(load >= b * (1 - 1e-12) for load, b in zip(plan.loads, busiest))
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_splits_only_where_they_pay(n: int) -> None:
+    for shapes in (LLAMA3_8B, LLAMA3_70B):
+        split, whole = plan_splits(shapes, n), plan_splits(shapes, n, max_k=1)
+        _check_plan(split, shapes, n, 8)
+        assert whole.split_count == 0
+        assert split.makespan <= whole.makespan
+        if split.split_count:
+            assert split.makespan < whole.makespan
+            biggest = max(whole.seconds)
+            assert biggest > sum(whole.loads) / n, "split only when one matrix exceeds the mean load"
+
+
+def test_where_the_largest_matrix_bounds_the_step_it_is_split() -> None:
+    for shapes, n in ((LLAMA3_8B, 1024), (LLAMA3_70B, 1024), (LLAMA31_405B, 1024)):
+        split, whole = plan_splits(shapes, n), plan_splits(shapes, n, max_k=1)
+        assert split.split_count > 0 and split.makespan < 0.7 * whole.makespan
+        assert split.imbalance < whole.imbalance
+    assert plan_splits(LLAMA3_8B, 8).split_count == 0, "8 ranks: the mean is far above any matrix"
+
+
+def test_gangs_wait_for_their_busiest_rank() -> None:
+    """Two 4-rank gangs and whole matrices on 8 ranks of one node: a gang starts when all its
+    ranks are free, so the loads are the gang lockstep's, not each rank's own sum."""
+    plan = plan_splits([(512, 4096)] * 2 + [(64, 64)] * 3, 8, Hardware.h200(matmul_flops=1e9))
+    _check_plan(plan, [(512, 4096)] * 2 + [(64, 64)] * 3, 8, 8)
+    assert plan.ks[:2] == (4, 4) and {plan.ranks[0], plan.ranks[1]} == {(0, 1, 2, 3), (4, 5, 6, 7)}
+
+
+def test_gang_balance_aligns_and_waits() -> None:
+    """A gang of 4 after a long whole matrix on rank 0 takes ranks 4-7 (aligned, so one node's
+    NVLink), not 1-4; a gang over two busy ranks starts when the busier is free."""
+    ranks, loads = _gang_balance([10.0, 1.0], [1, 4], 8)
+    assert ranks == [(0,), (4, 5, 6, 7)] and loads == [10.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    ranks, loads = _gang_balance([2.0, 1.0, 1.0], [1, 2, 1], 2)
+    assert ranks == [(0,), (0, 1), (0,)] and loads == [4.0, 3.0]
+
+
+def test_the_best_cap_on_k_is_kept() -> None:
+    """At 512 ranks Llama-3-8B's best cap is 4, not the largest (8): the plan tries them all."""
+    for shapes, n in ((LLAMA3_8B, 512), (LLAMA3_8B, 1024), (LLAMA3_70B, 1024)):
+        best = plan_splits(shapes, n)
+        assert best.makespan == min(plan_splits(shapes, n, max_k=c).makespan for c in (1, 2, 4, 8))
+
+
+def test_no_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        plan_splits(LLAMA3_8B, 0)
+
+
+def test_split_traffic_spreads_a_matrix_over_its_ranks() -> None:
+    """64 x 64 in bf16 on 8 ranks (8 rows each, 1,024 bytes), split over ranks 0-3: each source
+    sends 256 bytes to each of them; each sends 256 bytes of every other rank's block back."""
+    entry = MatrixEntry((64, 64), shard_blocks((64, 64), [AxisShard(0, 0, 8)]))
+    plan = build_plan([entry], 8)
+    split = SplitPlan(8, (4,), ((0, 1, 2, 3),), (1.0,), (1.0,) * 4 + (0.0,) * 4)
+    into, back = split_links(plan, [0], split, 2, [0] * 8)
+    assert into.send_intra == [768.0] * 4 + [1024.0] * 4
+    assert into.recv_intra == [1792.0] * 4 + [0.0] * 4
+    assert back.send_intra == [1792.0] * 4 + [0.0] * 4
+    assert sum(into.send_intra) == sum(back.send_intra) == 7168.0
+
+
+def test_default_prediction_is_unchanged_and_split_never_slower() -> None:
+    for n in (8, 64, 256, 1024):
+        base = predict(LLAMA3_8B, n)
+        assert predict(LLAMA3_8B, n, split=False) == base
+        assert predict(LLAMA3_8B, n, split=True).total <= base.total
+    # At 1,024 ranks the 8B step is bound by host ops, which a split does not change: not taken.
+    assert predict(LLAMA3_8B, 1024, split=True) == predict(LLAMA3_8B, 1024)
+    assert predict(LLAMA3_8B, 256, split=True).total < predict(LLAMA3_8B, 256).total
+
+
+def test_split_shortens_the_70b_step_at_1024() -> None:
+    base, split = predict(LLAMA3_70B, 1024), predict(LLAMA3_70B, 1024, split=True)
+    assert split.total < 0.7 * base.total and split.newton_schulz < base.newton_schulz
+    assert split.imbalance < base.imbalance and split.comm < base.comm
