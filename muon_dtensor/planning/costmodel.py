@@ -35,15 +35,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 
-from .._sharding.blocks import AxisShard, Block, block_numel, mesh_blocks, shard_blocks
+from .._sharding.blocks import block_numel
 from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
 from .links import back_links, to_owner_links
+from .plans import hsdp_plan, sharded_plan
+from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
 
 __all__ = [
     "CURRENT",
@@ -62,8 +63,6 @@ __all__ = [
     "sharded_plan",
     "transformer_shapes",
 ]
-
-Shape = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -121,66 +120,6 @@ class Prediction:
     imbalance: float
     replicas: int = 1
     owners: str = "replica"  # where owners were chosen: "mesh" or "replica" (see ``predict``)
-
-
-def transformer_shapes(
-    layers: int,
-    dim: int,
-    *,
-    kv_rows: int | None = None,
-    ffn: int | None = None,
-    gated: bool = False,
-    fused_qkv: bool = False,
-) -> list[Shape]:
-    """Hidden matrices (rows x cols = out x in, as ``nn.Linear.weight``) of ``layers`` layers, in
-    order q, k, v, o (or fused qkv, o), then MLP up (gate, up when ``gated``) and down."""
-    kv = dim if kv_rows is None else kv_rows
-    hidden = 4 * dim if ffn is None else ffn
-    attn = [(dim + 2 * kv, dim), (dim, dim)] if fused_qkv else [(dim, dim), (kv, dim), (kv, dim), (dim, dim)]
-    mlp = [(hidden, dim)] * (2 if gated else 1) + [(dim, hidden)]
-    return (attn + mlp) * layers
-
-
-# Meta's params.json: Llama-3-8B dim 4096, 8 kv heads x 128 = 1024 rows, ffn 14336, 32 layers;
-# Llama-3-70B dim 8192, 8 kv heads x 128, ffn 28672, 80 layers.
-LLAMA3_8B = transformer_shapes(32, 4096, kv_rows=1024, ffn=14336, gated=True)
-LLAMA3_70B = transformer_shapes(80, 8192, kv_rows=1024, ffn=28672, gated=True)
-# Llama-3.1-405B (Meta's params.json): dim 16384, 8 kv heads x 128, ffn 53248, 126 layers.
-LLAMA31_405B = transformer_shapes(126, 16384, kv_rows=1024, ffn=53248, gated=True)
-
-
-@lru_cache(maxsize=4096)
-def _blocks(shape: Shape, ranks: int) -> tuple[Block, ...]:
-    return shard_blocks(shape, [AxisShard(0, 0, ranks)])
-
-
-def sharded_plan(
-    shapes: Sequence[Shape], world_size: int, mode: str = "owner", max_round_bytes: int | None = None
-) -> Plan:
-    """The plan for ``shapes`` laid out as FSDP2 does (``Shard(0)`` over ``world_size`` ranks)."""
-    entries = [MatrixEntry(tuple(s), _blocks(tuple(s), world_size)) for s in shapes]  # type: ignore[arg-type]
-    return build_plan(entries, world_size, mode, max_round_bytes=max_round_bytes)
-
-
-@lru_cache(maxsize=4096)
-def _mesh_blocks(shape: Shape, shards: int, replicas: int) -> tuple[tuple[Block, ...], tuple[int, ...]]:
-    return mesh_blocks(shape, (replicas, shards), [AxisShard(1, 0, shards)])
-
-
-def hsdp_plan(
-    shapes: Sequence[Shape],
-    shards: int,
-    replicas: int,
-    mode: str = "owner",
-    max_round_bytes: int | None = None,
-) -> Plan:
-    """The plan with owners over the whole mesh for ``shapes`` laid out as HSDP does: ``(Replicate,
-    Shard(0))`` on a ``(replicas, shards)`` mesh."""
-    entries = []
-    for s in shapes:
-        blocks, replica_of = _mesh_blocks(tuple(s), shards, replicas)
-        entries.append(MatrixEntry(tuple(s), blocks, replica_of=replica_of))  # type: ignore[arg-type]
-    return build_plan(entries, shards * replicas, mode, max_round_bytes=max_round_bytes)
 
 
 def _replicas(entry: MatrixEntry) -> int:

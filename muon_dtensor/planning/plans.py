@@ -1,0 +1,46 @@
+"""The plans the cost model prices: matrices laid out as FSDP2 and HSDP lay them out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from .._sharding.blocks import AxisShard, Block, mesh_blocks, shard_blocks
+from .._sharding.plan import MatrixEntry, Plan, build_plan
+from .shapes import Shape
+
+__all__ = ["hsdp_plan", "sharded_plan"]
+
+
+@lru_cache(maxsize=4096)
+def _blocks(shape: Shape, ranks: int) -> tuple[Block, ...]:
+    return shard_blocks(shape, [AxisShard(0, 0, ranks)])
+
+
+def sharded_plan(
+    shapes: Sequence[Shape], world_size: int, mode: str = "owner", max_round_bytes: int | None = None
+) -> Plan:
+    """The plan for ``shapes`` laid out as FSDP2 does (``Shard(0)`` over ``world_size`` ranks)."""
+    entries = [MatrixEntry(tuple(s), _blocks(tuple(s), world_size)) for s in shapes]  # type: ignore[arg-type]
+    return build_plan(entries, world_size, mode, max_round_bytes=max_round_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _mesh_blocks(shape: Shape, shards: int, replicas: int) -> tuple[tuple[Block, ...], tuple[int, ...]]:
+    return mesh_blocks(shape, (replicas, shards), [AxisShard(1, 0, shards)])
+
+
+def hsdp_plan(
+    shapes: Sequence[Shape],
+    shards: int,
+    replicas: int,
+    mode: str = "owner",
+    max_round_bytes: int | None = None,
+) -> Plan:
+    """The plan with owners over the whole mesh for ``shapes`` laid out as HSDP does: ``(Replicate,
+    Shard(0))`` on a ``(replicas, shards)`` mesh."""
+    entries = []
+    for s in shapes:
+        blocks, replica_of = _mesh_blocks(tuple(s), shards, replicas)
+        entries.append(MatrixEntry(tuple(s), blocks, replica_of=replica_of))  # type: ignore[arg-type]
+    return build_plan(entries, shards * replicas, mode, max_round_bytes=max_round_bytes)
