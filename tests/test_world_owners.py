@@ -392,3 +392,33 @@ def test_auto_takes_the_mesh_only_if_every_rank_votes_for_it() -> None:
     results = run_ranks(split_vote, 4, timeout=TIMEOUT)
     assert [mesh for mesh, _ in results] == [False] * 4
     assert sum(done for _, done in results) == 2 * len(SHAPES) * STEPS  # each replica did every matrix
+
+
+def stage_meshes_auto() -> tuple[bool, int]:
+    """Rank function: two pipeline stages, each an HSDP mesh of 2 of the 4 ranks. Even where owners
+    over the mesh would pay (the verdict patched), "auto" keeps owners per replica there: a mesh of
+    fewer ranks than the world would need a new group, collective over every rank (a hang, since the
+    other stage builds another optimizer)."""
+    from muon_dtensor._sharding import owners
+
+    world = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))
+    stage = world["rep", "shard"]
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), stage, [Replicate(), Shard(0)]))
+              for s in SHAPES]  # fmt: skip
+    verdict = owners._mesh_pays
+    owners._mesh_pays = lambda *args: True
+    try:
+        opt = Muon([{"params": params, "owners": "auto"}], lr=0.02)
+        for p in params:
+            p.grad = distribute_like(p, torch.randn(p.shape, generator=gen))
+        opt.step()
+    finally:
+        owners._mesh_pays = verdict
+    return bool(opt._shardings[0][1].across), opt.comm_stats.orthogonalized
+
+
+def test_auto_keeps_owners_per_replica_on_a_mesh_of_some_ranks() -> None:
+    results = run_ranks(stage_meshes_auto, 4, timeout=TIMEOUT)
+    assert [mesh for mesh, _ in results] == [False] * 4
+    assert sum(done for _, done in results) == 2 * 2 * len(SHAPES)  # 2 stages x 2 replicas each

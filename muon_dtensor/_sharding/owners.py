@@ -88,7 +88,10 @@ def across_replicas(
     if owners == "mesh":
         return frozenset(meshes)
     chosen = []
-    for mesh in meshes:
+    # "auto" stays within meshes of every rank: their exchange group is the default group. A mesh of
+    # fewer ranks (a pipeline stage's) would need a new group, collective over every rank, and the
+    # other stages do not build it: forcing "mesh" there asks every rank to build the same optimizer.
+    for mesh in (m for m in meshes if m.size() == dist.get_world_size()):
         vote = torch.tensor([1, int(_mesh_pays(params, mesh, view_options))])
         ranks, yes = (int(v) for v in sum_over_mesh(vote, mesh))
         if yes == ranks:
