@@ -297,16 +297,14 @@ _PRESENT, _SPARSE, _MISLAID = 0, 1, 2
 
 
 def _local_flags(items: Sequence[PreflightItem]) -> Tensor:
-    flags = torch.zeros(len(items), 3, dtype=torch.int32)
-    for i, item in enumerate(items):
-        if item.grad is None:
-            continue
-        flags[i, _PRESENT] = 1
-        if item.grad.is_sparse:
-            flags[i, _SPARSE] = 1
-        elif not same_layout(item.param, item.grad):
-            flags[i, _MISLAID] = 1
-    return flags
+    """Per item (present, sparse, mislaid) as 0/1: built as Python data, one tensor at the end."""
+    rows = []
+    for item in items:
+        grad = item.grad
+        sparse = grad is not None and grad.is_sparse
+        mislaid = grad is not None and not sparse and not same_layout(item.param, grad)
+        rows.append((int(grad is not None), int(sparse), int(mislaid)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(items), 3)
 
 
 def layout_text(t: Tensor | None) -> str:
@@ -315,7 +313,7 @@ def layout_text(t: Tensor | None) -> str:
     return "None" if t is None else f"plain tensor {tuple(t.shape)}"
 
 
-def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
+def _raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
     present, sparse, mislaid = (int(v) for v in row)
     where = f"on {{}} of {ranks} rank(s)"
     if sparse:
@@ -340,25 +338,22 @@ def _raise_for(item: PreflightItem, row: Tensor, ranks: int) -> None:
 
 def _present(items: Sequence[PreflightItem]) -> list[bool]:
     flags = _local_flags(items)
-    scopes: list[Any] = []
-    for item in items:
-        if item.scope is not None and item.scope not in scopes:
-            scopes.append(item.scope)
-    totals = sum_over_scopes(flags, scopes)
-    # A parameter that no collective involves still must not fail on one rank alone.
-    any_bad = flags[:, 1:].clone()
-    for summed, _ in totals:
-        any_bad = torch.maximum(any_bad, summed[:, 1:])
+    scopes = list(dict.fromkeys(item.scope for item in items if item.scope is not None))
+    # Host-side counts, read once as Python lists (the sums never touch a device stream).
+    totals = [(summed.tolist(), size) for summed, size in sum_over_scopes(flags, scopes)]
+    where = {scope: k for k, scope in enumerate(scopes)}
+    mine = flags.tolist()
     widest = max((size for _, size in totals), default=1)
     present: list[bool] = []
     for i, item in enumerate(items):
         if item.scope is not None:
-            summed, ranks = totals[scopes.index(item.scope)]
-            row = summed[i]
-        else:
-            row, ranks = torch.cat([flags[i, :1], any_bad[i]]), widest
+            rows, ranks = totals[where[item.scope]]
+            row = rows[i]
+        else:  # a parameter no collective involves still must not fail on one rank alone
+            bad = [max([mine[i][c], *(rows[i][c] for rows, _ in totals)]) for c in (_SPARSE, _MISLAID)]
+            row, ranks = [mine[i][_PRESENT], *bad], widest
         _raise_for(item, row, ranks)
-        present.append(bool(row[_PRESENT] > 0))
+        present.append(row[_PRESENT] > 0)
     return present
 
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 
-from .._compat import _StridedShard
+from .._compat import _StridedShard, local_tensor
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 from .comm import exchange_group
 
@@ -59,7 +59,7 @@ class ParamLayout:
 
 def local_of(t: Tensor) -> Tensor:
     """The local tensor of a DTensor, the tensor itself otherwise (shares memory either way)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def local_grad(p: Tensor) -> Tensor:
@@ -198,9 +198,7 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
             a.device_mesh == b.device_mesh
             and tuple(a.placements) == tuple(b.placements)
             and a.shape == b.shape
-            and (
-                a.to_local().shape == b.to_local().shape or a.to_local().numel() == b.to_local().numel() == 0
-            )
+            and (local_of(a).shape == local_of(b).shape or local_of(a).numel() == local_of(b).numel() == 0)
         )
     return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
 
