@@ -90,6 +90,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def full_state(model: nn.Module, opt: Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and state entry as a full tensor, keyed by FQN (``"fqn:key"`` for state)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = full(p.detach())
+        out.update({f"{name}:{k}": full(v) for k, v in opt.state[p].items()})
+    return out
+
+
 def distribute_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """A full gradient ``g`` laid out like the parameter ``p``."""
     return distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g

@@ -94,18 +94,10 @@ class Counting(torch.utils.data.Dataset):
 
 
 def _model() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=72,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    from tests.test_hf_llama import config  # the same tiny Llama
+
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config())
     model.config._attn_implementation = "eager"
     return model
 

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
-from tests.models import Net, full
+from tests.models import Net, full_state
 from tests.ranks import run_ranks
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -52,18 +52,10 @@ def _train(model: nn.Module, opt: Muon, steps: range) -> list[float]:
     return losses
 
 
-def _state(model: nn.Module, opt: Muon) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = full(p.detach())
-        out.update({f"{name}:{k}": full(v) for k, v in opt.state[p].items()})
-    return out
-
-
 def mixed_precision_run(root: str) -> dict[str, Any]:
     model, opt = _build(mixed=True)
     losses = _train(model, opt, range(TOTAL))
-    straight = _state(model, opt)
+    straight = full_state(model, opt)
     dtypes = {str(v.dtype) for k, v in straight.items() if ":" not in k or "momentum" in k}
     first, first_opt = _build(mixed=True)
     _train(first, first_opt, range(SAVED))
@@ -71,7 +63,7 @@ def mixed_precision_run(root: str) -> dict[str, Any]:
     resumed, resumed_opt = _build(mixed=True)
     load_checkpoint(root, resumed, resumed_opt)
     _train(resumed, resumed_opt, range(SAVED, TOTAL))
-    after = _state(resumed, resumed_opt)
+    after = full_state(resumed, resumed_opt)
     ref, ref_opt = _build(mixed=False)
     ref_losses = _train(ref, ref_opt, range(TOTAL))
     differ = [k for k, v in straight.items() if not torch.equal(v, after[k])]

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
-from tests.models import Net, fsdp, full, random_grads, step_together
+from tests.models import Net, fsdp, full, full_state, random_grads, step_together
 from tests.ranks import run_ranks
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -80,14 +80,6 @@ def _backward(model: nn.Module, step: int) -> str:
     loss = nn.functional.cross_entropy(logits.float().reshape(-1, 11), tokens[:, 1:].reshape(-1))
     loss.backward()
     return str(logits.dtype)
-
-
-def _state(model: nn.Module, opt: Muon) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = full(p.detach())
-        out.update({f"{name}:{k}": full(v) for k, v in opt.state[p].items()})
-    return out
 
 
 def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -142,14 +134,14 @@ def policy_run(root: str) -> dict[str, Any]:
         _backward(resumed[0], step)
         resumed[1].step()
         resumed[1].zero_grad()
-    straight = _state(model, opt)
+    straight = full_state(model, opt)
     stored, laid_out = _stored_dtypes(model, opt)
     return {
         "compute": sorted(compute),
         "stored": sorted(stored | grad_dtypes),
         "laid_out": laid_out,
-        "vs_one_process": _differ(straight, _state(ref, ref_opt)),
-        "resumed": _differ(straight, _state(*resumed)),
+        "vs_one_process": _differ(straight, full_state(ref, ref_opt)),
+        "resumed": _differ(straight, full_state(*resumed)),
     }
 
 
@@ -166,7 +158,7 @@ def bf16_run() -> dict[str, Any]:
     step_together([(list(model.parameters()), opt), (list(ref.parameters()), ref_opt)], grads, range(TOTAL))
     muon = [p for group in opt.param_groups if group["algorithm"] == "muon" for p in group["params"]]
     momentum = {str(opt.state[p]["momentum_buffer"].dtype) for p in muon}
-    return {"momentum": sorted(momentum), "differ": _differ(_state(model, opt), _state(ref, ref_opt))}
+    return {"momentum": sorted(momentum), "differ": _differ(full_state(model, opt), full_state(ref, ref_opt))}
 
 
 # 3. One process: bf16 parameters against torch.optim.Muon.
