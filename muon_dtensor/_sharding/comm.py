@@ -105,14 +105,9 @@ def _sum_on_host(counts: Tensor, groups: Sequence[dist.ProcessGroup], device_typ
     """The preflight's and the agreement's sums: host-side facts, so they stay off the device
     stream wherever the groups have a CPU backend (gloo, or "cuda:nccl,cpu:gloo" as torchtitan
     initializes). A device-only group (plain "nccl") takes a device round trip: a host sync."""
-    on_host = all(has_cpu_backend(g) for g in groups)
-    if not on_host:
+    if not all(has_cpu_backend(g) for g in groups):
         _warn_device_round_trip()
-    # A copy either way: callers sum the same counts over several scopes.
-    out = counts.clone() if on_host else counts.to(device_type)
-    for group in groups:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out if on_host else out.cpu()
+    return _reduce_on_host(counts, groups, device_type, dist.ReduceOp.SUM)
 
 
 def max_over_mesh(values: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -120,22 +115,29 @@ def max_over_mesh(values: Tensor, mesh: DeviceMesh) -> Tensor:
     (QK-Clip's per-head max logits: every rank must scale by the same factors). Returns a CPU copy.
     MAX is exact and order-free, so every rank holds the same bits."""
     groups = [mesh.get_group(a) for a in range(mesh.ndim) if mesh.size(a) > 1]
-    return _max_on_host(values, groups, mesh.device_type)
+    return _reduce_on_host(values, groups, mesh.device_type, dist.ReduceOp.MAX)
 
 
 def max_over_group(values: Tensor, group: dist.ProcessGroup | None, device_type: str = "cpu") -> Tensor:
     """``max_over_mesh`` over a process group (None: the default group)."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
-    return _max_on_host(values, [group] if dist.get_world_size(group) > 1 else [], device_type)
+    return _reduce_on_host(
+        values, [group] if dist.get_world_size(group) > 1 else [], device_type, dist.ReduceOp.MAX
+    )
 
 
-def _max_on_host(values: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str) -> Tensor:
-    """On the host where every group has a CPU backend (a few floats), else through the device."""
-    on_host = all(has_cpu_backend(g) for g in groups)
-    out = values.detach().cpu().clone() if on_host else values.detach().to(device_type, copy=True)
+def _reduce_on_host(
+    values: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str, op: dist.ReduceOp.RedOpType
+) -> Tensor:
+    """A CPU copy of ``values`` reduced with ``op`` over each group in turn: on the host where every
+    group has a CPU backend, else through the device. A copy either way: callers reduce the same
+    values over several scopes."""
+    target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
+    out = values.detach()
+    out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return out.cpu()
+        dist.all_reduce(out, op=op, group=group)
+    return out if out.device.type == "cpu" else out.cpu()
 
 
 @functools.cache
