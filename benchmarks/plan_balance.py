@@ -10,9 +10,9 @@ FSDP2's ``Shard(0)`` blocks, via ``costmodel.sharded_plan``) and prints, as a ma
   load is at least the j + 1 cheapest of them (j = 1, 2, ...). Still a lower bound, not the optimum;
 - owner traffic per rank (mean, and max over ranks) against 2 S (N-1) / N^2;
 - the cost model's owner step on H200s (``Hardware.h200()``, the code as built), for orientation;
-- **split** (issue 11, modelled only, not built): ``planning.split.plan_splits``, the largest
+- **split** (issue 11, ``ns_split="auto"``): ``planning.split.plan_splits``, the largest
   matrices' Newton-Schulz over k ranks of a node where that pays: how many matrices are split, the
-  busiest rank's Newton-Schulz seconds (all-reduces and copies included) without and with splits,
+  busiest rank's Newton-Schulz seconds (Gram exchanges and copies included) without and with splits,
   the split plan's imbalance, and the cost model's step with ``predict(..., split=True)``.
 
 Pure arithmetic, no processes: a few seconds. Examples, from the repository root::
@@ -98,7 +98,7 @@ def balance_row(model: str, shapes: list[tuple[int, int]], n: int) -> dict[str, 
 
 
 def split_columns(shapes: list[tuple[int, int]], n: int) -> dict[str, Any]:
-    """The split plan's figures (modelled only): splits, NS seconds without/with, imbalance, step."""
+    """The split plan's figures (model): splits, NS seconds without/with, imbalance, step."""
     split, whole = plan_splits(shapes, n), plan_splits(shapes, n, max_k=1)
     return {
         "split_count": split.split_count,

@@ -12,7 +12,7 @@ group per node), owners per replica (every replica orthogonalizes every matrix: 
 shard group), owners over the mesh (each matrix once in the mesh, results sent across nodes), the
 choice of ``owners="auto"``, and what-ifs. Goal (issue 11): Llama-3-8B on 8x8 <= 30 ms.
 
-Split (issue 11, modelled only, not built): every owner-mode row has a twin with the largest
+Split (issue 11, ``ns_split="auto"``): every owner-mode row has a twin with the largest
 matrices' Newton-Schulz run over k ranks of a node where that pays (``predict(..., split=True)``,
 ``planning/split.py``). ``--grid`` prints the table of docs/benchmarks.md section 8: Llama-3-8B,
 70B and 3.1-405B at 8, 64, 256 and 1,024 H200s, FSDP and 8-way shard x R HSDP (owners per replica
@@ -59,7 +59,7 @@ GOALS_MS = {
 }
 GRID_MODELS = ("llama3-8b", "llama3-70b", "llama3.1-405b")
 GRID_GPUS = (8, 64, 256, 1024)
-SPLIT_LABEL = "owner + split (modelled, not built)"
+SPLIT_LABEL = "owner + split (ns_split=auto)"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "predict_h200.json"
 # Pessimistic figures: NS at ~60% of the datasheet's 989 TFLOP/s, links at 70% of peak, 10 us per op.
 PESSIMISTIC = Hardware.h200(
@@ -89,7 +89,7 @@ HSDP_CASES: list[tuple[str, str, Implementation, Hardware]] = [
     ('owners="mesh" + fused elementwise (not built)', "mesh", FUSED, Hardware.h200()),
     ('owners="mesh", pessimistic hardware', "mesh", CURRENT, PESSIMISTIC),
     ('owners="replica", pessimistic hardware', "replica", CURRENT, PESSIMISTIC),
-    ('owners="mesh" + split (modelled, not built)', "mesh+split", CURRENT, Hardware.h200()),
+    ('owners="mesh" + split (ns_split=auto)', "mesh+split", CURRENT, Hardware.h200()),
 ]
 
 

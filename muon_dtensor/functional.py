@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ._sharding.comm import CommStats
 from ._sharding.domains import Domain
-from ._sharding.exchange import Finalize, run_plan
+from ._sharding.exchange import Finalize, run_plan, split_compute
 from ._sharding.views import View, whole_matrix
 from .elementwise import (
     adamw_update,
@@ -65,7 +65,6 @@ def muon_step(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     bufs: Sequence[Tensor],
-    views: Sequence[Sequence[View]],
     domains: Sequence[Domain],
     hyper: MuonHyper,
     config: NSConfig,
@@ -75,7 +74,7 @@ def muon_step(
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place; with
     ``hyper.normuon``, also the local NorMuon ``second_moments`` (a column, or none on the ranks that
-    do not hold the parameter's column 0), and ``views`` are built with their ``lead`` columns."""
+    do not hold the parameter's column 0), and the domains' views have their ``lead`` columns."""
     ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
     compute = partial(orthogonalize, config=config)
     if hyper.normuon:
@@ -83,14 +82,18 @@ def muon_step(
         ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]
         compute = partial(normuon_orthogonalize, config=config, beta2=hyper.beta2)
     # A parameter that is one matrix takes its result as its update as soon as its round is back;
-    # the others (several matrices per parameter) assemble an update tensor first.
+    # the others (several matrices or a split matrix's parts) assemble an update tensor first.
+    views: dict[int, list[View]] = {pos: [] for pos in range(len(params))}
+    for domain in domains:
+        for pos, view in domain.members:
+            views[pos].append(view)
     assembled = {
         pos: torch.empty_like(p, memory_format=torch.contiguous_format)
         for pos, p in enumerate(params)
         if not whole_matrix(views[pos], p.shape)
     }
     for domain in domains:
-        pairs = [(pos, views[pos][vi]) for pos, vi in domain.members]
+        pairs = list(domain.members)
         finalize: Finalize = partial(_finalize, pairs, params, assembled, hyper)
         if hyper.normuon:
             assert second_moments is not None
@@ -102,6 +105,7 @@ def muon_step(
             finalize=finalize,
             group=domain.group,
             stats=stats,
+            split=partial(split_compute, config=config, group=domain.group, stats=stats),
         )
     mine = list(assembled)
     apply_updates(

@@ -13,8 +13,10 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from . import agreement, validation
 from ._sharding.comm import CommStats
 from ._sharding.domains import GroupSharding, ViewOptions
+from ._sharding.owners import node_size
 from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
 from ._sharding.plan import DEFAULT_ROUND_BYTES
+from ._sharding.splits import SplitPolicy
 from .functional import MuonHyper, adamw_step, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
 from .normuon import DEFAULT_BETA2
@@ -73,6 +75,12 @@ class Muon(Optimizer):
             orthogonalized once among all ranks of the mesh, results sent to every replica),
             "replica" (once in every replica group, no traffic between replicas) or "auto" (the
             cost model picks per mesh; default). Also a per-group key.
+        ns_split: "off" (default), "auto" or a rank count k: run a matrix's Newton-Schulz over
+            several ranks of its exchange group (``muon_dtensor.split_ns``), where the cost model
+            says it pays ("auto") or for every matrix over min(k, group size) ranks. The one
+            option under which a sharded step is not bitwise the one-process step: it equals
+            ``split_orthogonalize`` bitwise and the unsplit iteration within bf16 rounding
+            (docs/design.md). Standard iteration, owner mode, no NorMuon. Also a per-group key.
 
     Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
     one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
@@ -101,6 +109,7 @@ class Muon(Optimizer):
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
         owners: str = "auto",
+        ns_split: str | int = "off",
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
@@ -111,6 +120,7 @@ class Muon(Optimizer):
             mode=mode,
             max_round_bytes=max_round_bytes,
             owners=owners,
+            ns_split=ns_split,
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
@@ -218,8 +228,7 @@ class Muon(Optimizer):
             [local_of(p) for p in params],
             [local_grad(p) for p in params],
             [local_of(self.state[p]["momentum_buffer"]) for p in params],
-            [sharding.views[i] for i in todo],
-            sharding.domains(todo, group["mode"], group["max_round_bytes"]),
+            sharding.domains(todo, group["mode"], group["max_round_bytes"], self._split_policy(group)),
             MuonHyper.of(group),
             config,
             self.comm_stats,
@@ -227,6 +236,13 @@ class Muon(Optimizer):
             if group.get("normuon")
             else None,
         )
+
+    def _split_policy(self, group: dict[str, Any]) -> SplitPolicy:
+        """``ns_split`` of a Muon group, with this job's node size for ``"auto"``'s cost model."""
+        if group.get("ns_split", "off") != "auto":
+            return SplitPolicy.of(group, 1)
+        device = group["params"][0].device.type if group["params"] else "cpu"
+        return SplitPolicy.of(group, node_size(device))
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         states = [self.state[p] for p in params]

@@ -93,6 +93,29 @@ def check_owners(owners: Any) -> None:
         )
 
 
+def check_split(group: Mapping[str, Any]) -> None:
+    """``ns_split``: "off", "auto" or a rank count k >= 2; k only where splits run (``_sharding/
+    splits.py``): the standard iteration, no NorMuon, owner mode."""
+    value = group.get("ns_split", "off")
+    if value in ("off", "auto") and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(
+            f"ns_split should be 'off', 'auto' or a number of ranks >= 2 but is: {value!r}; 'auto' "
+            "splits a matrix's Newton-Schulz over several ranks where the cost model says it pays"
+        )
+    clash = [
+        f"{key}={group.get(key, default)!r}"
+        for key, default, ok in (("ns_algorithm", "standard", "standard"), ("mode", "owner", "owner"))
+        if group.get(key, default) != ok
+    ] + (["normuon=True"] if group.get("normuon", False) else [])
+    if clash:
+        raise ValueError(
+            f"ns_split={value} runs the standard iteration in owner mode without NorMuon, but this "
+            f"group has {', '.join(clash)}; use ns_split='off' (or 'auto', which splits nothing there)"
+        )
+
+
 def ns_dtype_name(dtype: torch.dtype | str) -> str:
     """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -127,6 +150,7 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     _check_normuon(group)
     check_mode(group.get("mode", "owner"))
     check_owners(group.get("owners", "auto"))
+    check_split(group)
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)

@@ -1,13 +1,13 @@
 """Split Newton-Schulz (``muon_dtensor/split_ns.py``) against ``orthogonalize`` on the whole matrix.
 
 The split runs one matrix's iteration over k column blocks of its wide form, with the norm and the
-Gram matrix summed over blocks by a ``reduce`` (simulated here by ``sum_blocks``; an all-reduce in a
-real run). It is the standard polynomial with another summation order, so it is not bitwise the
-one-process result: these tests state the tolerance. Measured here (torch 2.13 CPU, Keller's
+Gram matrix summed over blocks and the polynomial computed by row blocks (``LocalGang`` here; the
+same sums over ranks in a real run). It is the standard polynomial with another summation order and
+blocking, so it is not bitwise the one-process result: these tests state the tolerance. Measured here (torch 2.13 CPU, Keller's
 quintic, 5 steps, Gaussian inputs, k = 2, 4, 8, the shapes below), worst max abs / relative
 Frobenius difference: bfloat16 8.8e-3 / 1.6e-2 (1,024 x 3,584: 2.4e-3 / 1.2e-2; the bfloat16
-result itself is about 1.1e-2 from the float64 one); float32 5.4e-7 / 2.2e-6; float64 2.5e-15 /
-7.7e-15.
+result itself is about 1.1e-2 from the float64 one); float32 5.4e-7 / 2.2e-6; float64 2.2e-15 /
+8.0e-15.
 """
 
 from __future__ import annotations
@@ -18,8 +18,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from muon_dtensor.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
-from muon_dtensor.split_ns import split_newton_schulz, split_orthogonalize, sum_blocks
+from muon_dtensor.newton_schulz import (
+    DEFAULT_COEFFICIENTS,
+    PRESETS,
+    NSConfig,
+    newton_schulz,
+    ns_flops,
+    orthogonalize,
+)
+from muon_dtensor.split_ns import LocalGang, part_sizes, split_flops, split_newton_schulz, split_orthogonalize
 
 # Llama-3-8B's q/o (4096 x 4096), k/v (1024 x 4096), up (14336 x 4096) and down (4096 x 14336)
 # aspect ratios at 1/16 of the size (1/4 for the largest, to keep one realistic small side).
@@ -69,7 +76,7 @@ def test_split_of_a_large_llama_like_matrix_in_bfloat16() -> None:
 
 def test_split_is_as_close_as_bfloat16_rounding_allows() -> None:
     """Against float64, the bfloat16 split's error is within 1.4x the one-process bfloat16 result's
-    (measured 1.06x, 1.19x, 1.25x at k = 2, 4, 8): each partial Gram matrix is rounded to bfloat16
+    (measured 1.07x, 1.19x, 1.26x at k = 2, 4, 8): each partial Gram matrix is rounded to bfloat16
     before the sum, k + 1 roundings where one process rounds once."""
     torch.manual_seed(2)
     x = torch.randn(256, 896, dtype=torch.float64)
@@ -103,29 +110,41 @@ def test_batched_same_shape_matrices(dtype: torch.dtype) -> None:
         assert torch.equal(batch[i], split_orthogonalize(xs[i], 4, config)), "batch-independent"
 
 
-def test_reduce_is_what_sums_the_blocks() -> None:
-    """One block per simulated rank: each rank's reduce returns the sum over all ranks' partials,
-    as an all-reduce would; the blocks then equal those of the one-call split bitwise."""
+class _Counting(LocalGang):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reduce_rows(self, parts: Sequence[Tensor]) -> list[Tensor]:
+        self.calls.append("reduce")
+        return super().reduce_rows(parts)
+
+    def gather_rows(self, rows: Sequence[Tensor], totals: Sequence[int]) -> list[Tensor]:
+        self.calls.append("gather")
+        return super().gather_rows(rows, totals)
+
+
+def test_each_iteration_is_one_reduce_and_two_gathers() -> None:
+    """The collectives a split issues: the norm's reduce and gather, then per iteration the Gram
+    matrix's reduce-scatter and two all-gathers (A, then the polynomial's rows)."""
     torch.manual_seed(5)
     x = torch.randn(64, 256, dtype=torch.float32)
     config = _config(torch.float32)
-    blocks = list(x.tensor_split(4, dim=-1))
-    calls: list[int] = []
-
-    def counting(parts: Sequence[Tensor]) -> Tensor:
-        calls.append(len(parts))
-        return sum_blocks(parts)
-
-    out = split_newton_schulz(blocks, config, counting)
-    assert calls == [4] * 6, "one reduce for the norm, one per iteration"
+    ops = _Counting()
+    out = split_newton_schulz(list(x.tensor_split(4, dim=-1)), config, ops)
+    assert ops.calls == ["reduce", "gather"] + ["reduce", "gather", "gather"] * 5
     assert torch.equal(torch.cat(out, dim=-1), split_orthogonalize(x, 4, config))
 
 
-def test_bad_blocks_are_refused_with_the_fix() -> None:
+def test_split_flops_is_the_formula() -> None:
+    assert split_flops((4096, 14336), 1) == ns_flops((4096, 14336))
+    m, n = 4096, 14336
+    assert split_flops((n, m), 4, steps=5) == 5 * (4 * m * m * (n // 4) + 2 * m * m * (m // 4))
+    assert part_sizes(10, 4) == [3, 3, 2, 2] == [len(t) for t in torch.arange(10).tensor_split(4)]
+
+
+def test_bad_k_is_refused_with_the_fix() -> None:
     config = _config(torch.float32)
-    with pytest.raises(ValueError, match="transpose"):
-        split_newton_schulz([torch.randn(8, 2), torch.randn(8, 2)], config)
-    with pytest.raises(ValueError, match="every dimension but the last"):
-        split_newton_schulz([torch.randn(4, 8), torch.randn(5, 8)], config)
     with pytest.raises(ValueError, match="k \\(blocks\\) must be >= 1"):
         split_orthogonalize(torch.randn(4, 8), 0, config)
+    with pytest.raises(ValueError, match="long side has 8 columns"):
+        split_orthogonalize(torch.randn(4, 8), 9, config)

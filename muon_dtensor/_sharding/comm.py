@@ -25,9 +25,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import has_cpu_backend
+from ..split_ns import part_sizes
+from .gangs import SplitRoute
 
 __all__ = [
     "CommStats",
+    "GangComm",
     "barrier",
     "broadcast_object",
     "exchange_group",
@@ -313,3 +316,70 @@ def start_all_to_all(
         return list(recv.split(list(recv_numels)))
 
     return finish
+
+
+class GangComm:
+    """``split_ns.GangOps`` over an exchange group: each gang's row blocks move in an all-to-all of
+    the whole group that carries bytes only between the gang's ranks. Every rank of the group calls
+    every method in the same order, with nothing to send when it computes no part (``route.mine``
+    empty); ``dtype`` types those empty buffers. Sums run in gang order, as ``LocalGang``'s do."""
+
+    def __init__(
+        self, route: SplitRoute, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats | None
+    ) -> None:
+        self.gangs = [route.gangs[g] for g, _ in route.mine]
+        self.slots = [j for _, j in route.mine]
+        self.group, self.dtype, self.stats = group, dtype, stats
+
+    def _exchange(self, sends: list[list[Tensor]], recv: list[int], like: Sequence[Tensor]) -> list[Tensor]:
+        sample = like[0] if like else torch.empty(0, dtype=self.dtype)
+        finish = start_all_to_all(
+            sends, recv, group=self.group, dtype=sample.dtype, device=sample.device, stats=self.stats
+        )
+        return finish()
+
+    def reduce_rows(self, parts: Sequence[Tensor]) -> list[Tensor]:
+        size = dist.get_world_size(self.group)
+        sends: list[list[Tensor]] = [[] for _ in range(size)]
+        recv = [0] * size
+        chunks = [p.tensor_split(len(g.ranks), dim=-2) for p, g in zip(parts, self.gangs)]
+        for gang, j, pieces in zip(self.gangs, self.slots, chunks):
+            for rank, piece in zip(gang.ranks, pieces):
+                sends[rank].append(piece)
+                recv[rank] += pieces[j].numel()
+        got = self._exchange(sends, recv, parts)
+        offsets = [0] * size
+        out = []
+        for gang, j, pieces in zip(self.gangs, self.slots, chunks):
+            total: Tensor | None = None
+            for rank in gang.ranks:
+                n = pieces[j].numel()
+                piece = got[rank][offsets[rank] : offsets[rank] + n].view(pieces[j].shape)
+                offsets[rank] += n
+                total = piece.clone() if total is None else total.add_(piece)
+            assert total is not None
+            out.append(total)
+        return out
+
+    def gather_rows(self, rows: Sequence[Tensor], totals: Sequence[int]) -> list[Tensor]:
+        size = dist.get_world_size(self.group)
+        sends: list[list[Tensor]] = [[] for _ in range(size)]
+        recv = [0] * size
+        shapes = []
+        for gang, row, total in zip(self.gangs, rows, totals):
+            lead, cols = row.shape[:-2], row.shape[-1]
+            shapes.append([(*lead, n, cols) for n in part_sizes(total, len(gang.ranks))])
+            for rank, shape in zip(gang.ranks, shapes[-1]):
+                sends[rank].append(row)
+                recv[rank] += math.prod(shape)
+        got = self._exchange(sends, recv, rows)
+        offsets = [0] * size
+        out = []
+        for gang, pieces in zip(self.gangs, shapes):
+            blocks = []
+            for rank, shape in zip(gang.ranks, pieces):
+                n = math.prod(shape)
+                blocks.append(got[rank][offsets[rank] : offsets[rank] + n].view(shape))
+                offsets[rank] += n
+            out.append(torch.cat(blocks, dim=-2))
+        return out

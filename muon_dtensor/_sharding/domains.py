@@ -15,12 +15,16 @@ from torch.distributed.tensor import DTensor
 from ..normuon import packed_width
 from ..validation import ns_dtype_name
 from .comm import sum_over_mesh
+from .gangs import Gang
 from .owners import across_replicas
 from .param_layout import ParamLayout, layout_of, local_of
 from .plan import MatrixEntry, Plan, RoundRoute, build_plan, build_routes
-from .views import View, holds_first_column, matrix_views
+from .splits import SplitPolicy
+from .views import View, holds_first_column, matrix_views, split_view
 
 __all__ = ["Domain", "GroupSharding", "ViewOptions", "build_domains"]
+
+NO_SPLIT = SplitPolicy()
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,13 @@ class ViewOptions:
 
 @dataclass(frozen=True)
 class Domain:
-    """The matrices of one exchange group: (param position, view index) per plan entry, the plan,
-    and this rank's route through each of its rounds."""
+    """The matrices of one exchange group: (param position, view) per plan entry (a split matrix's
+    parts are views of their own), the plan, and this rank's route through each of its rounds."""
 
     group: dist.ProcessGroup | None
     plan: Plan
     routes: tuple[RoundRoute, ...]
-    members: tuple[tuple[int, int], ...]
+    members: tuple[tuple[int, View], ...]
 
 
 def _entry(view: View, layout: ParamLayout) -> MatrixEntry:
@@ -61,19 +65,32 @@ def _entry(view: View, layout: ParamLayout) -> MatrixEntry:
 
 
 def build_domains(
-    layouts: Sequence[ParamLayout], views: Sequence[Sequence[View]], mode: str, max_round_bytes: int | None
+    layouts: Sequence[ParamLayout],
+    views: Sequence[Sequence[View]],
+    mode: str,
+    max_round_bytes: int | None,
+    policy: SplitPolicy = NO_SPLIT,
 ) -> list[Domain]:
-    """Group the views of the given parameters by exchange group; plan and route each group."""
-    grouped: dict[tuple, list[tuple[int, int]]] = {}
+    """Group the views of the given parameters by exchange group; split what ``policy`` says; plan
+    and route each group."""
+    grouped: dict[tuple, list[tuple[int, View]]] = {}
     for pos, layout in enumerate(layouts):
-        for vi in range(len(views[pos])):
-            grouped.setdefault(layout.key, []).append((pos, vi))
+        for view in views[pos]:
+            grouped.setdefault(layout.key, []).append((pos, view))
     domains = []
     for members in grouped.values():
         layout = layouts[members[0][0]]
-        entries = [_entry(views[pos][vi], layouts[pos]) for pos, vi in members]
-        plan = build_plan(entries, layout.group_size, mode, max_round_bytes=max_round_bytes)
-        domains.append(Domain(layout.group, plan, build_routes(plan, layout.rank), tuple(members)))
+        ks = policy.ks([view.shape for _, view in members], layout.group_size)
+        expanded: list[tuple[int, View]] = []
+        gangs = []
+        for (pos, view), k in zip(members, ks):
+            parts = split_view(view, k, layout.rank) if k > 1 else [view]
+            if k > 1:
+                gangs.append(Gang(tuple(range(len(expanded), len(expanded) + k)), (), view.shape))
+            expanded += [(pos, part) for part in parts]
+        entries = [_entry(view, layouts[pos]) for pos, view in expanded]
+        plan = build_plan(entries, layout.group_size, mode, max_round_bytes=max_round_bytes, gangs=gangs)
+        domains.append(Domain(layout.group, plan, build_routes(plan, layout.rank), tuple(expanded)))
     return domains
 
 
@@ -110,11 +127,14 @@ class GroupSharding:
         _agree_on_error(error, params)
         self._domains: dict[tuple, list[Domain]] = {}
 
-    def domains(self, todo: Sequence[int], mode: str, max_round_bytes: int | None) -> list[Domain]:
-        key = (tuple(todo), mode, max_round_bytes)
+    def domains(
+        self, todo: Sequence[int], mode: str, max_round_bytes: int | None, policy: SplitPolicy = NO_SPLIT
+    ) -> list[Domain]:
+        key = (tuple(todo), mode, max_round_bytes, policy)
         if key not in self._domains:
             layouts = [self.layouts[i] for i in todo]
-            self._domains[key] = build_domains(layouts, [self.views[i] for i in todo], mode, max_round_bytes)
+            views = [self.views[i] for i in todo]
+            self._domains[key] = build_domains(layouts, views, mode, max_round_bytes, policy)
         return self._domains[key]
 
 

@@ -19,16 +19,21 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from ..newton_schulz import NSConfig
+from ..split_ns import split_newton_schulz
 from .blocks import Block, block_numel, block_shape
-from .comm import CommStats, start_all_to_all
+from .comm import CommStats, GangComm, start_all_to_all
+from .gangs import SplitRoute
 from .plan import Inbound, Outbound, RoundRoute
 
-__all__ = ["Compute", "Finalize", "Prepare", "run_plan"]
+__all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan", "split_compute"]
 
 Prepare = Callable[[int], Tensor]  # member -> my block of it, in the Newton-Schulz dtype
 Compute = Callable[[Sequence[Tensor]], Sequence[Tensor]]  # same-shape full matrices -> results
 Finalize = Callable[[Sequence[int], Sequence[Tensor]], None]  # members, my block of each result
 Stacks = list[tuple[tuple[int, ...], list[Tensor]]]  # (members, their full matrices) by shape
+SplitCompute = Callable[[SplitRoute, dict[int, Tensor]], dict[int, Tensor]]  # parts -> results
+Assembled = tuple[Stacks, dict[int, Tensor]]  # whole matrices by shape, split matrices' parts
 
 
 def _rects(block: Block) -> Iterator[tuple[slice, slice, slice, slice]]:
@@ -67,10 +72,13 @@ def _cut(full: Tensor, block: Block) -> Tensor:
 
 def _to_owners(
     route: Inbound, local: dict[int, Tensor], group: dist.ProcessGroup | None, stats: CommStats | None
-) -> Callable[[], Stacks]:
+) -> Callable[[], Assembled]:
     """Steps 1-2: start moving blocks to owners; the returned function waits and assembles."""
     if route.direct:
-        return lambda: [(ms, [local[m] for m in ms]) for _, ms in route.stacks]
+        return lambda: (
+            [(ms, [local[m] for m in ms]) for _, ms in route.stacks],
+            {m: local[m] for m, _ in route.parts},
+        )
     sample = next(iter(local.values()))
     receive: Callable[[], list[Tensor]] = lambda: []  # noqa: E731
     if route.collective:
@@ -80,10 +88,11 @@ def _to_owners(
             sends, route.recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
         )
 
-    def finish() -> Stacks:
+    def finish() -> Assembled:
         received = receive()
         stacks = [(ms, list(sample.new_empty((len(ms), *shape)).unbind(0))) for shape, ms in route.stacks]
-        where = {m: full for ms, fulls in stacks for m, full in zip(ms, fulls)}
+        parts = {m: sample.new_empty(shape) for m, shape in route.parts}
+        where = {m: full for ms, fulls in stacks for m, full in zip(ms, fulls)} | parts
         for m in route.copies:
             where[m].copy_(local[m])
         for m, block in route.own:
@@ -92,7 +101,7 @@ def _to_owners(
             _assemble(where[m], block, received[src][offset : offset + block_numel(block)])
         if stats is not None:
             stats.release(sum(route.recv_numels) * sample.element_size())
-        return stacks
+        return stacks, parts
 
     return finish
 
@@ -135,8 +144,10 @@ def run_plan(
     finalize: Finalize,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
+    split: SplitCompute | None = None,
 ) -> None:
-    """Orthogonalize every matrix of a plan along this rank's ``routes``.
+    """Orthogonalize every matrix of a plan along this rank's ``routes``; ``split`` runs the split
+    matrices' parts of a round (``split_compute``), on every rank of a round that has any.
 
     Rounds are pipelined: round k+1's blocks travel while round k is orthogonalized, and round k's
     results travel back while round k+1 is; so at most two rounds' buffers are alive at once. Every
@@ -148,11 +159,14 @@ def run_plan(
     inbound = _to_owners(routes[0].inbound, blocks[0], group, stats)
     outbound: list[tuple[RoundRoute, Callable[[], dict[int, Tensor]]]] = []
     for k, route in enumerate(routes):
-        stacks = inbound()
+        stacks, parts = inbound()
         if k + 1 < len(routes):
             blocks.append({m: prepare(m) for m in routes[k + 1].members})
             inbound = _to_owners(routes[k + 1].inbound, blocks[k + 1], group, stats)
         results = _compute(stacks, compute, stats)
+        if route.split is not None:
+            assert split is not None, "a plan with split matrices needs their compute"
+            results.update(split(route.split, parts))
         ref = blocks[k][route.members[0]]
         outbound.append((route, _to_blocks(route.outbound, results, ref, group, stats)))
         if len(outbound) > 1:
@@ -173,3 +187,22 @@ def _compute(stacks: Stacks, compute: Compute, stats: CommStats | None) -> dict[
 def _finish(route: RoundRoute, finish: Callable[[], dict[int, Tensor]], finalize: Finalize) -> None:
     mine = finish()
     finalize(route.members, [mine[m] for m in route.members])
+
+
+def split_compute(
+    route: SplitRoute,
+    parts: dict[int, Tensor],
+    *,
+    config: NSConfig,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+) -> dict[int, Tensor]:
+    """Step 3 for a round's split matrices: this rank's parts (tall matrices' row blocks transposed
+    into the wide form's column blocks) orthogonalized with their gangs, back in the parts' shape."""
+    assert group is not None, "a split matrix spans ranks of a group"
+    gangs = [(route.gangs[g], j) for g, j in route.mine]
+    blocks = [parts[g.parts[j]].mT if g.tall else parts[g.parts[j]] for g, j in gangs]
+    outs = split_newton_schulz(blocks, config, GangComm(route, group, config.dtype, stats))
+    if stats is not None:
+        stats.orthogonalized += sum(j == 0 for _, j in gangs)  # each split matrix once
+    return {g.parts[j]: out.mT if g.tall else out for (g, j), out in zip(gangs, outs)}

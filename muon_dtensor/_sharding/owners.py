@@ -34,13 +34,15 @@ from .views import matrix_views
 __all__ = ["across_replicas", "mesh_entries", "node_size"]
 
 
-def node_size(mesh: DeviceMesh) -> int:
-    """Ranks per node: torchrun's ``LOCAL_WORLD_SIZE``; else the CUDA device count on a CUDA mesh;
-    else (CPU) every rank on one node."""
+def node_size(device_type: str) -> int:
+    """Ranks per node: torchrun's ``LOCAL_WORLD_SIZE``; else the CUDA device count for CUDA
+    tensors; else (CPU) every rank on one node."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local.isdigit() and int(local) > 0:
         return int(local)
-    if mesh.device_type == "cuda" and torch.cuda.is_available():
+    if not dist.is_initialized():
+        return 1
+    if device_type == "cuda" and torch.cuda.is_available():
         return max(torch.cuda.device_count(), 1)
     return dist.get_world_size()
 
@@ -66,7 +68,7 @@ def _mesh_pays(params: Sequence[Tensor], mesh: DeviceMesh, view_options: Mapping
         entries = mesh_entries(params, mesh, view_options)
     except ValueError:
         return False  # layout_of raises the same error on every rank, naming the parameter
-    per_node = node_size(mesh)
+    per_node = node_size(mesh.device_type)
     nodes = [r // per_node for r in mesh.mesh.reshape(-1).tolist()]
     hw = Hardware.h200(gpus_per_node=per_node)
     times = compare_owners(entries, nodes, hw)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ..newton_schulz import ns_flops
 from ..validation import check_mode
 from .blocks import Block, block_numel, block_shape
+from .gangs import Gang, SplitRoute, gang_cost, gang_start, split_route
 
 __all__ = [
     "DEFAULT_ROUND_BYTES",
@@ -104,6 +105,7 @@ class Plan:
     entries: tuple[MatrixEntry, ...]
     rounds: tuple[Round, ...]
     loads: tuple[int, ...]  # Newton-Schulz flops per iteration, per group rank
+    gangs: tuple[Gang, ...] = ()  # split matrices: their part entries and ranks (gangs.py)
 
     @property
     def imbalance(self) -> float:
@@ -165,22 +167,63 @@ def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[lis
     return owners, loads
 
 
+def _assign_with_gangs(
+    entries: Sequence[MatrixEntry], group_size: int, gangs: Sequence[Gang]
+) -> tuple[list[int], list[int], list[Gang]]:
+    """Longest processing time with gangs: a whole matrix to the least-loaded rank, a split one to
+    the aligned ranks whose busiest is least loaded, all of them busy from that rank's load on
+    (they iterate in lockstep). Held matrices stay on a holder, as in ``_assign_owners``."""
+    owners = [0] * len(entries)
+    loads = [0] * group_size
+    tie = _tie_order(entries, group_size)
+    parts = {i for g in gangs for i in g.parts}
+    tasks: list[tuple[int, int, Gang | None]] = [
+        (ns_flops(e.shape), i, None) for i, e in enumerate(entries) if i not in parts
+    ]
+    tasks += [(gang_cost(g.shape, len(g.parts)) * len(g.parts), g.parts[0], g) for g in gangs]
+    held = {i: entries[i].holders for _, i, g in tasks if g is None and entries[i].holders}
+    placed: dict[int, Gang] = {}
+    for cost, i, gang in sorted(tasks, key=lambda t: (t[1] not in held, -t[0], t[1])):
+        if gang is None:
+            rank = min(held.get(i) or range(group_size), key=lambda r: (loads[r], tie[r]))
+            owners[i] = rank
+            loads[rank] += cost
+            continue
+        k = len(gang.parts)
+        ranks = range(start := gang_start(loads, k), start + k)
+        begin = max(loads[r] for r in ranks)
+        for part, rank in zip(gang.parts, ranks):
+            owners[part], loads[rank] = rank, begin + cost // k
+        placed[i] = Gang(gang.parts, tuple(ranks), gang.shape)
+    return owners, loads, [placed[g.parts[0]] for g in gangs]
+
+
+def _units(entries: Sequence[MatrixEntry], gangs: Sequence[Gang]) -> list[tuple[int, ...]]:
+    """What a round cannot cut: a matrix, or a split matrix's parts; in decreasing cost."""
+    parts = {i for g in gangs for i in g.parts}
+    units: list[tuple[tuple[int, ...], int]] = [
+        ((i,), ns_flops(e.shape)) for i, e in enumerate(entries) if i not in parts
+    ]
+    units += [(g.parts, ns_flops(g.shape)) for g in gangs]
+    return [u for u, _ in sorted(units, key=lambda u: (-u[1], u[0][0]))]
+
+
 def _rounds(
-    entries: Sequence[MatrixEntry], order: list[int], max_bytes: int | None, group_size: int
+    entries: Sequence[MatrixEntry], order: list[tuple[int, ...]], max_bytes: int | None, group_size: int
 ) -> list[list[int]]:
-    """Consecutive pieces of ``order`` (decreasing cost) whose full matrices (2 bytes an element)
-    fit ``max_bytes``, but never fewer than ``group_size`` matrices: consecutive matrices in this
-    order go to different owners, so every rank has work in every round and none waits idle."""
+    """Consecutive pieces of ``order`` (units in decreasing cost) whose full matrices (2 bytes an
+    element) fit ``max_bytes``, but never fewer than ``group_size`` matrices (parts): consecutive
+    matrices in this order go to different owners, so every rank has work in every round."""
     if max_bytes is None:
-        return [sorted(order)]
+        return [sorted(i for unit in order for i in unit)]
     rounds: list[list[int]] = [[]]
     size = 0
-    for i in order:
-        nbytes = 2 * entries[i].shape[0] * entries[i].shape[1]
+    for unit in order:
+        nbytes = sum(2 * entries[i].shape[0] * entries[i].shape[1] for i in unit)
         if len(rounds[-1]) >= group_size and size + nbytes > max_bytes:
             rounds.append([])
             size = 0
-        rounds[-1].append(i)
+        rounds[-1].extend(unit)
         size += nbytes
     return [sorted(r) for r in rounds]
 
@@ -191,12 +234,14 @@ def build_plan(
     mode: str = "owner",
     *,
     max_round_bytes: int | None = None,
+    gangs: Sequence[Gang] = (),
 ) -> Plan:
     """Assign an owner to every matrix and split the matrices into exchange rounds.
 
     ``mode="owner"``: each matrix once, on its owner. ``mode="gather"``: every rank computes every
     matrix (the redundant strategy, kept for comparison). Rounds take matrices in decreasing cost,
-    so each round mixes owners the way the whole plan does.
+    so each round mixes owners the way the whole plan does. ``gangs``: split matrices, each the
+    indices of its part entries and its shape (``ranks`` empty: the plan chooses them).
     """
     check_mode(mode)
     if group_size < 1:
@@ -204,18 +249,29 @@ def build_plan(
     for e in entries:
         if len(e.blocks) != group_size:
             raise ValueError(f"entry has {len(e.blocks)} blocks for a group of {group_size}")
-    if mode == "owner":
+    _check_gangs(gangs, group_size, mode)
+    if gangs:
+        owners, loads, placed = _assign_with_gangs(entries, group_size, gangs)
+    elif mode == "owner":
         owners, loads = _assign_owners(entries, group_size)
     else:
         owners = [EVERYONE] * len(entries)
         loads = [sum(ns_flops(e.shape) for e in entries)] * group_size
-    order = sorted(range(len(entries)), key=lambda i: (-ns_flops(entries[i].shape), i))
     rounds = tuple(
         Round(members=tuple(r), owners=tuple(owners[i] for i in r))
-        for r in _rounds(entries, order, max_round_bytes, group_size)
+        for r in _rounds(entries, _units(entries, gangs), max_round_bytes, group_size)
         if r
     )
-    return Plan(group_size, mode, tuple(entries), rounds, tuple(loads))
+    return Plan(group_size, mode, tuple(entries), rounds, tuple(loads), tuple(placed) if gangs else ())
+
+
+def _check_gangs(gangs: Sequence[Gang], group_size: int, mode: str) -> None:
+    for g in gangs:
+        if mode != "owner" or not 1 < len(g.parts) <= group_size:
+            raise ValueError(
+                f"a matrix of shape {g.shape} split over {len(g.parts)} ranks needs mode='owner' and "
+                f"2 to {group_size} (the group's ranks) parts; mode is {mode!r}"
+            )
 
 
 # ---------------------------------------------------------------------------------------- routes
@@ -226,7 +282,8 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Inbound:
-    """Blocks to owners. ``stacks``: (shape, members) this rank computes, batched by shape."""
+    """Blocks to owners. ``stacks``: (shape, members) this rank computes, batched by shape;
+    ``parts``: (member, shape) of the split matrices' parts it computes (``split``)."""
 
     direct: bool  # group of one, or every matrix whole on its owner: the local blocks are the matrices
     collective: bool  # an all-to-all runs (not when direct, nor when every member is replicated)
@@ -236,6 +293,7 @@ class Inbound:
     copies: tuple[int, ...]  # replicated members I compute: copy my whole local block
     own: tuple[tuple[int, Block], ...]  # my own block of members I compute, from local
     received: tuple[tuple[int, int, int, Block], ...]  # (member, source, offset, block)
+    parts: tuple[tuple[int, Shape], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -256,6 +314,7 @@ class RoundRoute:
     members: tuple[int, ...]
     inbound: Inbound
     outbound: Outbound
+    split: SplitRoute | None = None  # the round's split matrices (every rank joins their collectives)
 
 
 def _all_local(plan: Plan, rnd: Round) -> bool:
@@ -285,6 +344,7 @@ def _received(plan: Plan, me: int, by_source: Sequence[Sequence[int]], of: int |
 
 def _inbound(plan: Plan, rnd: Round, me: int) -> Inbound:
     mine = rnd.owned_by(me)
+    parts = {i for g in plan.gangs for i in g.parts}
     direct = plan.group_size == 1 or _all_local(plan, rnd)
     replicated = {m for m in rnd.members if plan.entries[m].replicated}
     sends: list[list[int]] = [[] for _ in range(plan.group_size)]
@@ -306,10 +366,11 @@ def _inbound(plan: Plan, rnd: Round, me: int) -> Inbound:
         collective=not direct and len(replicated) < len(rnd.members),
         sends=tuple(tuple(s) for s in sends),
         recv_numels=tuple(recv),
-        stacks=_stacks(plan, mine),
+        stacks=_stacks(plan, [m for m in mine if m not in parts]),
         copies=tuple(m for m in mine if m in replicated and not direct),
         own=tuple((m, plan.entries[m].blocks[me]) for m in incoming),
         received=tuple(received),
+        parts=tuple((m, plan.entries[m].shape) for m in mine if m in parts),
     )
 
 
@@ -334,4 +395,9 @@ def _outbound(plan: Plan, rnd: Round, me: int) -> Outbound:
 
 def build_routes(plan: Plan, me: int) -> tuple[RoundRoute, ...]:
     """Group rank ``me``'s route through every round of ``plan``: pure, built once with the plan."""
-    return tuple(RoundRoute(r.members, _inbound(plan, r, me), _outbound(plan, r, me)) for r in plan.rounds)
+    return tuple(
+        RoundRoute(
+            r.members, _inbound(plan, r, me), _outbound(plan, r, me), split_route(plan.gangs, r.members, me)
+        )
+        for r in plan.rounds
+    )

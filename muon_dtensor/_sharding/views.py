@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..split_ns import part_sizes
 from .blocks import Block, Interval
 
-__all__ = ["LocalCut", "View", "holds_first_column", "matrix_views", "whole_matrix"]
+__all__ = ["LocalCut", "View", "holds_first_column", "matrix_views", "split_view", "whole_matrix"]
 
 _EMPTY: tuple[Interval, ...] = ((0, 0),)
 
@@ -29,10 +30,12 @@ _EMPTY: tuple[Interval, ...] = ((0, 0),)
 @dataclass(frozen=True)
 class LocalCut:
     """This rank's piece of a view inside its local tensor: an index along the expert dimension
-    (3-D parameters), local row intervals, and all local columns (trailing dims flattened)."""
+    (3-D parameters), local row intervals, and local column intervals (trailing dims flattened;
+    None: all of them, as every view but a split matrix's part has)."""
 
     expert: int | None
     rows: tuple[Interval, ...]
+    cols: tuple[Interval, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,12 @@ class View:
     blocks: tuple[Block, ...]  # per group rank, in the view's own coordinates
     local: LocalCut
     lead: int = 0  # leading columns that are not the parameter's (NorMuon's packed second moment)
+    whole: tuple[int, int] | None = None  # a split matrix's part: the matrix's shape
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
         """The parameter's matrix, without the ``lead`` columns (what the lr adjustment reads)."""
-        return self.shape[0], self.shape[1] - self.lead
+        return self.whole or (self.shape[0], self.shape[1] - self.lead)
 
     def cut(self, local: Tensor) -> Tensor:
         """This rank's piece of the matrix from its local tensor, 2-D (a view when contiguous)."""
@@ -54,9 +58,14 @@ class View:
         if t.ndim == 0 or t.numel() == 0 or c.rows == _EMPTY:
             return local.new_empty((0, 0))
         t = t.reshape(t.shape[0], -1)
-        if len(c.rows) == 1:
-            return t[c.rows[0][0] : c.rows[0][1]]
-        return torch.cat([t[a:b] for a, b in c.rows])
+        rows = t[c.rows[0][0] : c.rows[0][1]] if len(c.rows) == 1 else torch.cat([t[a:b] for a, b in c.rows])
+        if c.cols is None:
+            return rows
+        if c.cols == _EMPTY:
+            return local.new_empty((0, 0))
+        if len(c.cols) == 1:
+            return rows[:, c.cols[0][0] : c.cols[0][1]]
+        return torch.cat([rows[:, a:b] for a, b in c.cols], dim=1)
 
     def place(self, dest: Tensor, value: Tensor) -> None:
         """Write ``value`` (this rank's piece) where ``cut`` took it from; ``dest`` is contiguous."""
@@ -65,9 +74,13 @@ class View:
         c = self.local
         t = dest[c.expert] if c.expert is not None else dest
         t = t.view(t.shape[0], -1)
+        cols = c.cols or ((0, t.shape[1]),)
         offset = 0
         for a, b in c.rows:
-            t[a:b] = value[offset : offset + b - a]
+            inner = 0
+            for x, y in cols:
+                t[a:b, x:y] = value[offset : offset + b - a, inner : inner + y - x]
+                inner += y - x
             offset += b - a
 
 
@@ -208,3 +221,53 @@ def _with_lead(view: View, blocks: Sequence[Block], lead: int) -> View:
         for (rows, cols), block in zip(view.blocks, blocks)
     )
     return View((view.shape[0], view.shape[1] + lead), extended, view.local, lead)
+
+
+def _compose(outer: Sequence[Interval], inner: Sequence[Interval]) -> tuple[Interval, ...]:
+    """Positions ``inner`` in the concatenation of intervals ``outer``, as intervals of what
+    ``outer`` indexes (a part's rows of a piece, as rows of the local tensor)."""
+    out: list[Interval] = []
+    for lo, hi in inner:
+        offset = 0
+        for a, b in outer:
+            x, y = max(lo - offset, 0), min(hi - offset, b - a)
+            if x < y:
+                out.append((a + x, a + y))
+            offset += b - a
+    return tuple(out) or _EMPTY
+
+
+def split_view(view: View, k: int, rank: int) -> list[View]:
+    """The ``k`` parts of a split matrix (``split_ns.py``), for group rank ``rank``: column blocks
+    of its wide form, so column ranges of a wide view and row ranges of a tall one, cut as
+    ``tensor_split`` cuts them. Each part is a view with its blocks rebased to the part and this
+    rank's piece of it; ``matrix_shape`` stays the matrix's (the lr adjustment reads it)."""
+    assert view.lead == 0, "NorMuon's matrices are not split"
+    axis = 0 if view.shape[0] > view.shape[1] else 1
+    parts, lo = [], 0
+    for size in part_sizes(view.shape[axis], k):
+        hi = lo + size
+        blocks = tuple(_part_block(b, axis, lo, hi) for b in view.blocks)
+        shape = (size, view.shape[1]) if axis == 0 else (view.shape[0], size)
+        local = _part_local(view.local, view.blocks[rank][axis], axis, lo, hi)
+        parts.append(View(shape, blocks, local, whole=view.shape))
+        lo = hi
+    return parts
+
+
+def _part_block(block: Block, axis: int, lo: int, hi: int) -> Block:
+    if block[axis] == _EMPTY:
+        return block
+    cut = _intersect(block[axis], lo, hi)[0]
+    return (cut, block[1]) if axis == 0 else (block[0], cut)
+
+
+def _part_local(local: LocalCut, mine: Sequence[Interval], axis: int, lo: int, hi: int) -> LocalCut:
+    """Where this rank's piece of a part sits: rows of the piece mapped through the view's local
+    rows (a tall part), or the piece's columns, which are the local tensor's (a wide part)."""
+    if local.rows == _EMPTY or mine == _EMPTY:
+        return LocalCut(local.expert, _EMPTY, _EMPTY)
+    positions = _intersect(mine, lo, hi)[1]
+    if axis == 0:
+        return LocalCut(local.expert, _compose(local.rows, positions) if positions != _EMPTY else _EMPTY)
+    return LocalCut(local.expert, local.rows, positions)

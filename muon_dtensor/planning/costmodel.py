@@ -281,13 +281,13 @@ def _with_splits(
     itemsize: int,
     algorithm: str,
 ) -> tuple[float, dict[str, float]]:
-    """The step with the largest matrices split over a few ranks (``split.py``; modelled only)."""
+    """The step with the largest matrices split over a few ranks (``split.py``; ``ns_split="auto"``)."""
     from .split import split_exchange_seconds  # not at the top: split.py imports this module
 
     mid, comm, splits = split_exchange_seconds(
         plan, hw, nodes, ns_steps=ns_steps, itemsize=itemsize, ns_algorithm=algorithm
     )
-    # "ns" counts the splits' all-reduces too; "comm" is the exchange's all-to-alls.
+    # "ns" counts the splits' Gram exchanges too; "comm" is the exchange's all-to-alls.
     q = p | {"mid_dev": mid, "ns": splits.makespan, "imbalance": splits.imbalance}
     q["comm"] = p["preflight"] + comm
     # Only where it pays: with no split chosen, or a slower step, the plan stays as it is.
@@ -317,8 +317,8 @@ def predict(
     ``r // world_size`` (a node holds whole shard groups when they fit). ``owners``: ``"replica"``
     (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
     ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two). ``split``: run the
-    largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``;
-    modelled only, the step does not split yet)."""
+    largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``; the
+    optimizer's ``ns_split="auto"``)."""
     hw = hw or Hardware.h200()
     if mode == "redundant":
         config = _ns_config(ns_steps, itemsize, ns_algorithm)

@@ -1,27 +1,32 @@
 """Which matrices to split, over how many ranks, and the owner loads that result (issue 11, item 2).
 
-A split runs one matrix's Newton-Schulz over k ranks (``split_ns.py``): each rank holds a column
-block of the wide form (m <= n) and, per iteration, computes its partial Gram matrix
-``X_i X_i^T`` (2 m^2 n / k flops), takes part in an all-reduce of the m x m sum, squares it on its
-own (``A A``, 2 m^3: not split, every rank of the group repeats it) and updates its block
-(``(b A + c A A) X_i``, 2 m^2 n / k). So per rank and iteration ``4 m^2 n / k + 2 m^3`` flops and
-one all-reduce of ``m^2`` elements; one more all-reduce (one scalar per matrix) for the norm.
+A split runs one matrix's Newton-Schulz over k ranks (``split_ns.py``, in the step as ``ns_split``):
+each rank holds a column block of the wide form (m <= n) and, per iteration, computes its partial
+Gram matrix ``X_i X_i^T`` (2 m^2 n / k flops), sums it with the others' by a reduce-scatter over
+rows, gathers ``A``, computes its m/k rows of ``b A + c A A`` (2 m^3 / k), gathers them and
+updates its block (2 m^2 n / k). So per rank and iteration ``split_ns.split_flops`` flops and three
+exchanges of ``(k - 1) / k m^2`` elements per rank; two small ones for the norm.
 
-A ring all-reduce of B bytes over k ranks sends ``2 (k - 1) / k B`` per rank. The k ranks of a
-split are k consecutive ranks aligned to k, with ``k`` dividing the node size, so the all-reduce
-stays on NVLink. Splitting pays only where one matrix's whole iteration is longer than the mean
-load per rank: for each cap K on k (1, 2, 4, 8), ``plan_splits`` picks, per such shape, the smallest
-k <= K whose time per rank fits under the mean (or the fastest), balances, and keeps the plan with
-the shortest makespan (no split on a tie).
+The k ranks of a split are k consecutive ranks aligned to k, with ``k`` dividing the node size, so
+the exchanges stay on NVLink. The model prices them as k-member all-to-alls; the step runs them as
+all-to-alls over the whole exchange group in which the other ranks send nothing. Splitting pays
+where one matrix's whole iteration is longer than the mean load per rank, and sometimes where a
+few large matrices per rank pack badly: for each cap K on k (1, 2, 4, 8), ``plan_splits`` picks,
+per shape longer than the mean, the smallest k <= K whose time per rank fits under the mean (or
+the fastest), balances, keeps the plan with the shortest makespan (no split on a tie), also
+tries one k for every shape longer than the mean, then from the best of these tries every other k
+for each shape in turn and keeps a change only where the makespan falls.
 
 The balance is LPT with gangs: tasks longest first; a whole matrix goes to the least-loaded rank,
 a split one to the aligned group of k ranks whose busiest rank is least loaded, and occupies all k
-from that rank's load on (they run the iteration in lockstep). Pure arithmetic and frozen data; the
-runtime plan (``_sharding/plan.py``) and the step do not use it yet.
+from that rank's load on (they run the iteration in lockstep). Pure arithmetic and frozen data;
+``ns_split="auto"`` takes its k per shape from here (``_sharding/splits.py``), and the runtime plan
+(``_sharding/plan.py``) places the gangs itself.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,49 +36,43 @@ import torch
 from .._sharding.blocks import block_numel
 from .._sharding.plan import Plan
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from ..split_ns import split_flops
 from .hardware import Hardware
 from .links import Links
 
 __all__ = [
     "SplitPlan",
-    "allreduce_seconds",
+    "alltoall_seconds",
     "plan_splits",
     "split_exchange_seconds",
     "split_links",
-    "split_flops",
     "split_seconds",
 ]
 
 Shape = tuple[int, int]
 
 
-def split_flops(shape: Sequence[int], k: int, steps: int = 5) -> int:
-    """Newton-Schulz flops on each of ``k`` ranks sharing one matrix: ``steps`` times
-    ``4 m^2 ceil(n / k) + 2 m^3`` (m <= n); ``k = 1`` is ``newton_schulz.ns_flops``."""
-    m, n = sorted((int(shape[0]), int(shape[1])))
-    return steps * (4 * m * m * math.ceil(n / k) + 2 * m**3)
-
-
-def allreduce_seconds(nbytes: float, k: int, hw: Hardware) -> float:
-    """A ring all-reduce of ``nbytes`` over ``k`` ranks of one node: ``2 (k - 1) / k`` of the bytes
-    each way on every rank's NVLink, plus one collective latency. Over one rank: nothing."""
+def alltoall_seconds(nbytes: float, k: int, hw: Hardware) -> float:
+    """An exchange among ``k`` ranks of one node in which each sends ``(k - 1) / k`` of ``nbytes``
+    to the others (a reduce-scatter or an all-gather of ``nbytes`` in all) on NVLink, plus one
+    collective latency. Over one rank: nothing."""
     if k <= 1:
         return 0.0
-    return hw.collective_latency + 2 * (k - 1) / k * nbytes / hw.intra_node_bandwidth
+    return hw.collective_latency + (k - 1) / k * nbytes / hw.intra_node_bandwidth
 
 
 def split_seconds(
     shape: Sequence[int], k: int, hw: Hardware, *, steps: int = 5, itemsize: int = 2, packs: int = 2
 ) -> float:
     """Device seconds of one matrix's Newton-Schulz on each of its ``k`` ranks: the flops of
-    ``split_flops``, ``steps`` all-reduces of the m x m Gram matrix and one of the norm, and the
-    copies (assemble this rank's block, pack the result ``packs - 1`` times, ``itemsize`` bytes each
-    read and written) at the memory bandwidth."""
+    ``split_ns.split_flops``, three exchanges of the m x m Gram matrix per iteration and two for the
+    norm, and the copies (assemble this rank's block, pack the result ``packs - 1`` times,
+    ``itemsize`` bytes each read and written) at the memory bandwidth."""
     m, n = sorted((int(shape[0]), int(shape[1])))
     flops = split_flops(shape, k, steps) / hw.matmul_flops
-    reduces = steps * allreduce_seconds(m * m * itemsize, k, hw) + allreduce_seconds(4, k, hw)
+    exchanges = 3 * steps * alltoall_seconds(m * m * itemsize, k, hw) + 2 * alltoall_seconds(4 * k, k, hw)
     copies = packs * m * math.ceil(n / k) * 2 * itemsize / hw.memory_bandwidth
-    return flops + reduces + copies
+    return flops + exchanges + copies
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def _whole_seconds(shape: Shape, hw: Hardware, config: NSConfig, itemsize: int, 
 
 
 def _candidates(world_size: int, hw: Hardware, max_k: int | None) -> list[int]:
-    """Split sizes: powers of two that divide the node size (all-reduce on NVLink) and the group."""
+    """Split sizes: powers of two that divide the node size (exchanges on NVLink) and the group."""
     limit = min(hw.gpus_per_node, world_size, max_k or world_size)
     return [k for k in (2**i for i in range(1, 11)) if k <= limit and hw.gpus_per_node % k == 0]
 
@@ -118,20 +117,24 @@ def _candidates(world_size: int, hw: Hardware, max_k: int | None) -> list[int]:
 def _gang_balance(
     seconds: Sequence[float], ks: Sequence[int], n: int
 ) -> tuple[list[tuple[int, ...]], list[float]]:
-    """LPT with gangs (module docstring): the ranks of each task and every rank's load."""
+    """LPT with gangs (module docstring): the ranks of each task and every rank's load. A heap of
+    (load, rank) finds the least-loaded rank; entries a gang made stale are skipped."""
     loads = [0.0] * n
+    heap = [(0.0, r) for r in range(n)]
     ranks: list[tuple[int, ...]] = [()] * len(seconds)
     for i in sorted(range(len(seconds)), key=lambda j: (-seconds[j] * ks[j], j)):
         k = ks[i]
         if k == 1:
-            best = min(range(n), key=lambda r: (loads[r], r))
-            group: tuple[int, ...] = (best,)
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heappop(heap)
+            group: tuple[int, ...] = (heap[0][1],)
         else:
             start = min(range(0, n - k + 1, k), key=lambda s: (max(loads[s : s + k]), s))
             group = tuple(range(start, start + k))
         begin = max(loads[r] for r in group)
         for r in group:
             loads[r] = begin + seconds[i]
+            heapq.heappush(heap, (loads[r], r))
         ranks[i] = group
     return ranks, loads
 
@@ -173,11 +176,48 @@ def plan_splits(
         }
         for s in distinct
     }
-    plans = [
-        _plan(keys, world_size, _choices(keys, world_size, whole, options, cap), whole, options)
-        for cap in [1, *_candidates(world_size, hw, max_k)]
-    ]
-    return min(plans, key=lambda p: p.makespan)  # the first, unsplit, on a tie: split only if it pays
+    caps = _candidates(world_size, hw, max_k)
+    tries = [_choices(keys, world_size, whole, options, cap) for cap in [1, *caps]]
+    tries += [_uniform(keys, world_size, whole, options, k) for k in caps]
+    plans = [_plan(keys, world_size, chosen, whole, options) for chosen in tries]
+    best = min(range(len(plans)), key=lambda i: plans[i].makespan)  # unsplit on a tie
+    return _refine(keys, world_size, tries[best], plans[best], whole, options)
+
+
+def _uniform(
+    shapes: Sequence[Shape], n: int, whole: dict[Shape, float], options: dict[Shape, dict[int, float]], k: int
+) -> dict[Shape, int]:
+    """One k for every shape longer than the mean load (where it is faster split): a start the
+    per-shape rule misses when several shapes gain only together."""
+    mean = sum(whole[s] for s in shapes) / n
+    return {s: k if whole[s] > mean and options[s][k] < whole[s] else 1 for s in whole}
+
+
+def _refine(
+    shapes: Sequence[Shape],
+    n: int,
+    chosen: dict[Shape, int],
+    plan: SplitPlan,
+    whole: dict[Shape, float],
+    options: dict[Shape, dict[int, float]],
+) -> SplitPlan:
+    """Coordinate descent: each shape, largest first, tries every other k; a change is kept only
+    if the makespan falls (the capped choices share one k rule that can miss, e.g. k = 4 for both
+    70B's square and MLP matrices). A few passes; each re-balances the whole plan."""
+    order = sorted(whole, key=lambda s: -whole[s])
+    for _ in range(3):
+        improved = False
+        for shape in order:
+            for k in [1, *options[shape]]:
+                trial = {**chosen, shape: k}
+                if k == chosen[shape] or (k > 1 and options[shape][k] >= whole[shape]):
+                    continue
+                candidate = _plan(shapes, n, trial, whole, options)
+                if candidate.makespan < plan.makespan * (1 - 1e-9):
+                    chosen, plan, improved = trial, candidate, True
+        if not improved:
+            break
+    return plan
 
 
 def _choices(
@@ -188,7 +228,7 @@ def _choices(
     cap: int,
 ) -> dict[Shape, int]:
     """Per shape, k up to ``cap`` (``_choose_k``) against the mean load, which splitting raises (the
-    repeated m^3, the all-reduces): re-read until the choice is stable."""
+    Gram exchanges): re-read until the choice is stable."""
     chosen = {s: 1 for s in whole}
     for _ in range(8):
         seconds = {s: options[s][k] if k > 1 else whole[s] for s, k in chosen.items()}
