@@ -59,7 +59,7 @@ def killed_mid_step(root: str, report: str) -> None:
     _train(model, opt, range(SAVED))
     save_checkpoint(root, SAVED, model, opt)
     if dist.get_rank() == 1:
-        exchange.start_all_to_all = _die_in_all_to_all  # type: ignore[assignment]
+        exchange.start_exchange = _die_in_all_to_all  # type: ignore[assignment]
     start = time.monotonic()
     try:
         _train(model, opt, range(SAVED, SAVED + 1))

@@ -138,7 +138,7 @@ def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
     from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
     from muon_dtensor._sharding.domains import build_domains
     from muon_dtensor._sharding.param_layout import ParamLayout
-    from muon_dtensor._sharding.plan import build_routes
+    from muon_dtensor._sharding.routes import build_routes
     from muon_dtensor._sharding.splits import SplitPolicy
     from muon_dtensor._sharding.views import matrix_views
 

@@ -28,7 +28,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from muon_dtensor import Muon
 from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, full_block, mesh_blocks
-from muon_dtensor._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan, build_routes
+from muon_dtensor._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
+from muon_dtensor._sharding.routes import build_routes
 from muon_dtensor._sharding.traffic import Traffic, mean_traffic, traffic
 from muon_dtensor.planning.costmodel import LLAMA3_8B, Hardware, compare_owners, hsdp_plan, predict
 from tests.models import distribute_like, full

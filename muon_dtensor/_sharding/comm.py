@@ -39,9 +39,11 @@ __all__ = [
     "gather_over_scope",
     "max_over_group",
     "max_over_mesh",
+    "pack_chunks",
     "rank_and_size",
     "save_group",
     "start_all_to_all",
+    "start_exchange",
     "sum_over_group",
     "sum_over_mesh",
     "sum_over_scopes",
@@ -289,6 +291,15 @@ def start_all_to_all(
     ``recv_numels[s]`` is how many elements group rank ``s`` sends here; every rank knows it from
     the plan, so no size exchange precedes the data.
     """
+    send, send_numels = pack_chunks(chunks, dtype=dtype, device=device)
+    finish = start_exchange(send, send_numels, recv_numels, group=group, stats=stats)
+    return lambda: list(finish().split(list(recv_numels)))
+
+
+def pack_chunks(
+    chunks: Sequence[Sequence[Tensor]], *, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, list[int]]:
+    """``chunks[d]`` flattened and concatenated in rank order: the send buffer and its segments."""
     send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
     send = torch.empty(sum(send_numels), dtype=dtype, device=device)
     offset = 0
@@ -296,8 +307,24 @@ def start_all_to_all(
         # One copy straight into the send buffer (casting, and gathering strided results).
         send[offset : offset + c.numel()].view(c.shape).copy_(c)
         offset += c.numel()
-    recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
-    work = dist.all_to_all_single(recv, send, list(recv_numels), send_numels, group=group, async_op=True)
+    return send, send_numels
+
+
+def start_exchange(
+    send: Tensor,
+    send_numels: Sequence[int],
+    recv_numels: Sequence[int],
+    *,
+    group: dist.ProcessGroup,
+    stats: CommStats | None = None,
+) -> Callable[[], Tensor]:
+    """``start_all_to_all`` with the send buffer already packed: ``send_numels[d]`` elements of
+    ``send``, in rank order, go to group rank ``d``; the returned function waits and returns the
+    flat receive buffer (segments in rank order)."""
+    recv = send.new_empty(sum(recv_numels))
+    work = dist.all_to_all_single(
+        recv, send, list(recv_numels), list(send_numels), group=group, async_op=True
+    )
     item = recv.element_size()
     if stats is not None:
         me = dist.get_rank(group)
@@ -309,11 +336,11 @@ def start_all_to_all(
         stats.collectives += 1
         stats.hold((send.numel() + recv.numel()) * item)
 
-    def finish() -> list[Tensor]:
+    def finish() -> Tensor:
         work.wait()
         if stats is not None:
             stats.release(send.numel() * item)  # ``send`` dies here; ``recv`` lives on in views
-        return list(recv.split(list(recv_numels)))
+        return recv
 
     return finish
 

@@ -18,7 +18,8 @@ from .comm import sum_over_mesh
 from .gangs import Gang
 from .owners import across_replicas
 from .param_layout import ParamLayout, layout_of, local_of
-from .plan import MatrixEntry, Plan, RoundRoute, build_plan, build_routes
+from .plan import MatrixEntry, Plan, build_plan
+from .routes import RoundRoute, build_routes
 from .splits import SplitPolicy
 from .views import View, holds_first_column, matrix_views, split_view
 

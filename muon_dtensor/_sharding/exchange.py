@@ -1,7 +1,7 @@
 """Run a plan along this rank's routes: blocks to their owners, Newton-Schulz once per matrix, results
 back to every block.
 
-For each round, on group rank ``me`` (the routes say what goes where, plan.build_routes):
+For each round, on group rank ``me`` (the routes say what goes where, routes.build_routes):
   1. ``prepare`` my block of every matrix; send each to its owner (gather mode: to every rank): one
      all-to-all;
   2. assemble each matrix I own from the blocks, stacked by shape;
@@ -16,15 +16,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..newton_schulz import NSConfig
 from ..split_ns import split_newton_schulz
 from .blocks import Block, block_numel, block_shape
-from .comm import CommStats, GangComm, start_all_to_all
+from .comm import CommStats, GangComm, pack_chunks, start_exchange
 from .gangs import SplitRoute
-from .plan import Inbound, Outbound, RoundRoute
+from .routes import Inbound, Outbound, RoundRoute
+from .runs import Run
 
 __all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan", "split_compute"]
 
@@ -70,6 +72,14 @@ def _cut(full: Tensor, block: Block) -> Tensor:
     return local
 
 
+def _run_views(buffer: Tensor, matrix: Tensor, run: Run) -> tuple[Tensor, Tensor]:
+    """A run's blocks as (count, rows, cols) views of the flat buffer and of the matrix."""
+    cols = matrix.shape[-1]
+    size, stride = (run.count, run.rows, cols), (run.stride, cols, 1)
+    flat = buffer.as_strided(size, stride, buffer.storage_offset() + run.offset)
+    return flat, matrix[run.row : run.row + run.count * run.rows].unflatten(0, (run.count, run.rows))
+
+
 def _to_owners(
     route: Inbound, local: dict[int, Tensor], group: dist.ProcessGroup | None, stats: CommStats | None
 ) -> Callable[[], Assembled]:
@@ -80,13 +90,12 @@ def _to_owners(
             {m: local[m] for m, _ in route.parts},
         )
     sample = next(iter(local.values()))
-    receive: Callable[[], list[Tensor]] = lambda: []  # noqa: E731
+    receive: Callable[[], Tensor] = lambda: sample.new_empty(0)  # noqa: E731
     if route.collective:
         assert group is not None
-        sends = [[local[m] for m in members] for members in route.sends]
-        receive = start_all_to_all(
-            sends, route.recv_numels, group=group, dtype=sample.dtype, device=sample.device, stats=stats
-        )
+        chunks = [[local[m] for m in members] for members in route.sends]
+        send, numels = pack_chunks(chunks, dtype=sample.dtype, device=sample.device)
+        receive = start_exchange(send, numels, route.recv_numels, group=group, stats=stats)
 
     def finish() -> Assembled:
         received = receive()
@@ -97,8 +106,11 @@ def _to_owners(
             where[m].copy_(local[m])
         for m, block in route.own:
             _assemble(where[m], block, local[m])
-        for m, src, offset, block in route.received:
-            _assemble(where[m], block, received[src][offset : offset + block_numel(block)])
+        for run in route.runs:
+            pieces, rows = _run_views(received, where[run.member], run)
+            rows.copy_(pieces)
+        for m, offset, block in route.loose:
+            _assemble(where[m], block, received[offset : offset + block_numel(block)])
         if stats is not None:
             stats.release(sum(route.recv_numels) * sample.element_size())
         return stacks, parts
@@ -119,13 +131,17 @@ def _to_blocks(
         out.update({m: _cut(results[m], block) for m, block in route.own})
         return lambda: out
     assert group is not None
-    sends = [[_cut(results[m], block) for m, block in per_dest] for per_dest in route.sends]
-    receive = start_all_to_all(
-        sends, route.recv_numels, group=group, dtype=ref.dtype, device=ref.device, stats=stats
-    )
+    send = torch.empty(sum(route.send_numels), dtype=ref.dtype, device=ref.device)
+    for run in route.send_runs:
+        pieces, rows = _run_views(send, results[run.member], run)
+        pieces.copy_(rows)
+    for m, offset, block in route.send_loose:
+        piece = _cut(results[m], block)
+        send[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+    receive = start_exchange(send, route.send_numels, route.recv_numels, group=group, stats=stats)
 
     def finish() -> dict[int, Tensor]:
-        returned = receive()
+        returned = receive().split(list(route.recv_numels))
         out = {m: _cut(results[m], block) for m, block in route.own}
         for m, src, offset, shape in route.received:
             out[m] = returned[src][offset : offset + math.prod(shape)].view(shape)

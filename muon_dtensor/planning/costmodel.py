@@ -40,6 +40,7 @@ import torch
 
 from .._sharding.blocks import block_numel
 from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
+from .._sharding.runs import owner_copies
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
 from .links import back_links, to_owner_links
@@ -192,8 +193,9 @@ def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tu
         exchange = 0
     elif plan.mode == "gather":  # pack each block for its replica's other ranks, assemble every matrix
         exchange = sum(s - 1 for s in sources) + sum(sources)
-    else:  # pack each block once, assemble owned matrices from their blocks, pack n - 1 results back
-        exchange = matrices + max(sum(sources[i] + n - 1 for i in mine) for mine in owned)
+    else:  # pack each block once; an owner assembles and packs back in strided runs where it can
+        copies = [owner_copies(e.blocks, e.shape[-1], _replicas(e)) for e in plan.entries]
+        exchange = matrices + max(sum(copies[i] for i in mine) for mine in owned)
     collectives = 0 if n == 1 else 2 * len(plan.rounds) + 1
     buckets = math.ceil(local / impl.bucket_elements)
     pre = matrices * impl.pre_ops + buckets * impl.pre_bucket_ops
