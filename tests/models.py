@@ -125,6 +125,29 @@ def step_together(
             opt.step()
 
 
+def stepped(
+    shapes: Sequence[tuple[int, ...]],
+    mesh_shape: tuple[int, ...] | None,
+    placements: Callable[[int], tuple],
+    steps: int,
+    make_opt: Callable[[list[nn.Parameter]], Optimizer],
+) -> tuple[list[nn.Parameter], Optimizer]:
+    """Seeded parameters of ``shapes`` and ``make_opt``'s optimizer over them after ``steps`` steps
+    with the same seeded full gradients: parameter i sharded by ``placements(i)`` on a CPU mesh of
+    ``mesh_shape``, or in one process (``None``)."""
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    draws = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape is not None else None
+    params = [
+        nn.Parameter(f.clone() if mesh is None else distribute_tensor(f.clone(), mesh, placements(i)))
+        for i, f in enumerate(fulls)
+    ]
+    opt = make_opt(params)
+    step_together([(params, opt)], lambda step: draws[step], range(steps))
+    return params, opt
+
+
 def model_grads(model: nn.Module, offset: int) -> Callable[[int], list[torch.Tensor]]:
     """Full gradients for ``model``'s parameters at each step, seeded ``offset + step``."""
     shapes = [p.shape for p in model.parameters()]

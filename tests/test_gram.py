@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from muon_dtensor import Muon
 from muon_dtensor.agreement import AGREED_KEYS
@@ -36,7 +35,7 @@ from muon_dtensor.newton_schulz import (
 )
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
 from muon_dtensor.validation import check_muon_group, resolve_ns_config
-from tests.models import full, step_together
+from tests.models import full, stepped
 from tests.ranks import run_ranks
 
 # The module, not the function that ``muon_dtensor`` exports under the same name.
@@ -216,16 +215,7 @@ SHAPES = [(24, 80), (24, 80), (80, 24), (37, 24), (24, 30), (3, 16)]
 
 def _run(mesh_shape: tuple[int, ...] | None, placements: tuple, **kwargs: Any) -> list[torch.Tensor]:
     """Parameters after 2 steps with the same full gradients, sharded (or one process: None)."""
-    gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
-    draws = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
-    if mesh_shape is None:
-        params = [nn.Parameter(f.clone()) for f in fulls]
-    else:
-        mesh = init_device_mesh("cpu", mesh_shape)
-        params = [nn.Parameter(distribute_tensor(f.clone(), mesh, placements)) for f in fulls]
-    opt = Muon(params, lr=0.02, **kwargs)
-    step_together([(params, opt)], lambda step: draws[step], range(2))
+    params, _ = stepped(SHAPES, mesh_shape, lambda i: placements, 2, lambda ps: Muon(ps, lr=0.02, **kwargs))
     return [full(p.detach()) for p in params]
 
 

@@ -15,14 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 import muon_dtensor.functional as functional
 from muon_dtensor import Muon
 from muon_dtensor.newton_schulz import NSConfig, orthogonalize
 from muon_dtensor.split_ns import split_orthogonalize
-from tests.models import full, step_together
+from tests.models import full, stepped
 from tests.ranks import run_ranks
 
 # Tall, wide, square, fewer rows than ranks (a Gram matrix of 1 and 3 rows), uneven, same shapes.
@@ -71,16 +70,7 @@ def split_reference(k: int, group: int) -> Iterator[None]:
 
 
 def _run(mesh_shape: tuple[int, ...] | None, placements: tuple, steps: int, **kw: Any) -> tuple[list, Muon]:
-    gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
-    draws = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(steps)]
-    if mesh_shape is None:
-        params = [nn.Parameter(f.clone()) for f in fulls]
-    else:
-        mesh = init_device_mesh("cpu", mesh_shape)
-        params = [nn.Parameter(distribute_tensor(f.clone(), mesh, placements)) for f in fulls]
-    opt = Muon(params, lr=0.02, **kw)
-    step_together([(params, opt)], lambda step: draws[step], range(steps))
+    params, opt = stepped(SHAPES, mesh_shape, lambda i: placements, steps, lambda ps: Muon(ps, lr=0.02, **kw))
     return [full(p.detach()) for p in params] + [full(opt.state[p]["momentum_buffer"]) for p in params], opt
 
 

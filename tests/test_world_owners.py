@@ -32,7 +32,7 @@ from muon_dtensor._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, 
 from muon_dtensor._sharding.routes import build_routes
 from muon_dtensor._sharding.traffic import Traffic, mean_traffic, traffic
 from muon_dtensor.planning.costmodel import LLAMA3_8B, Hardware, compare_owners, hsdp_plan, predict
-from tests.models import distribute_like, full
+from tests.models import distribute_like, full, stepped
 from tests.ranks import run_ranks
 
 TIMEOUT = 240.0  # seconds for one 4-rank call on 2 busy cores
@@ -251,22 +251,13 @@ def _run(
 ) -> tuple[list, list, Muon]:
     """Parameters and momenta after ``STEPS`` steps with the same full gradients, sharded (placements
     cycled over the parameters) or in one process (mesh_shape None)."""
-    gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
-    draws = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(STEPS)]
-    if mesh_shape is None:
-        params = [nn.Parameter(f.clone()) for f in fulls]
-    else:
-        mesh = init_device_mesh("cpu", mesh_shape)
-        params = [
-            nn.Parameter(distribute_tensor(f.clone(), mesh, placements[i % len(placements)]))
-            for i, f in enumerate(fulls)
-        ]
-    opt = Muon([{"params": params, **kwargs}], lr=0.02)
-    for grads in draws:
-        for p, g in zip(params, grads):
-            p.grad = distribute_like(p, g.clone())
-        opt.step()
+    params, opt = stepped(
+        SHAPES,
+        mesh_shape,
+        lambda i: placements[i % len(placements)],
+        STEPS,
+        lambda ps: Muon([{"params": ps, **kwargs}], lr=0.02),
+    )
     return params, [opt.state[p]["momentum_buffer"] for p in params], opt
 
 

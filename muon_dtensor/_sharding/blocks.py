@@ -21,6 +21,7 @@ __all__ = [
     "full_block",
     "mesh_blocks",
     "shard_blocks",
+    "take",
 ]
 
 Interval = tuple[int, int]
@@ -61,6 +62,12 @@ def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[In
     length = sum(stop - start for start, stop in intervals)
     chunk = -(-length // pieces) if length else 0
     lo, hi = min(index * chunk, length), min((index + 1) * chunk, length)
+    return take(intervals, lo, hi) or ((0, 0),)
+
+
+def take(intervals: Sequence[Interval], lo: int, hi: int) -> tuple[Interval, ...]:
+    """Positions ``lo`` to ``hi`` of the concatenation of ``intervals``, as intervals of the
+    indices they hold (empty when nothing is left)."""
     out: list[Interval] = []
     seen = 0
     for start, stop in intervals:
@@ -68,7 +75,7 @@ def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[In
         if a < b:
             out.append((start + a, start + b))
         seen += stop - start
-    return tuple(out) if out else ((0, 0),)
+    return tuple(out)
 
 
 def _apply(intervals: tuple[Interval, ...], shard: AxisShard, coord: int) -> tuple[Interval, ...]:

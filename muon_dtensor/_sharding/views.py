@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..split_ns import part_sizes
-from .blocks import Block, Interval
+from .blocks import Block, Interval, take
 
 __all__ = ["LocalCut", "View", "holds_first_column", "matrix_views", "split_view", "whole_matrix"]
 
@@ -226,15 +226,7 @@ def _with_lead(view: View, blocks: Sequence[Block], lead: int) -> View:
 def _compose(outer: Sequence[Interval], inner: Sequence[Interval]) -> tuple[Interval, ...]:
     """Positions ``inner`` in the concatenation of intervals ``outer``, as intervals of what
     ``outer`` indexes (a part's rows of a piece, as rows of the local tensor)."""
-    out: list[Interval] = []
-    for lo, hi in inner:
-        offset = 0
-        for a, b in outer:
-            x, y = max(lo - offset, 0), min(hi - offset, b - a)
-            if x < y:
-                out.append((a + x, a + y))
-            offset += b - a
-    return tuple(out) or _EMPTY
+    return tuple(piece for lo, hi in inner for piece in take(outer, lo, hi)) or _EMPTY
 
 
 def split_view(view: View, k: int, rank: int) -> list[View]:
