@@ -10,7 +10,14 @@ import pytest
 
 from muon_dtensor.__main__ import main as package_main
 from muon_dtensor.planning.cli import main
-from muon_dtensor.planning.costmodel import CURRENT, LLAMA3_8B, Hardware, predict, transformer_shapes
+from muon_dtensor.planning.costmodel import (
+    CURRENT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    Hardware,
+    predict,
+    transformer_shapes,
+)
 
 SMALL = ["--layers", "2", "--dim", "256"]  # 12 matrices: each plan below takes milliseconds
 
@@ -71,6 +78,16 @@ def test_flags_reach_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     impl = replace(CURRENT, max_round_bytes=None)
     want = predict(shapes, 16, Hardware(**got["hardware"]), mode="gather", impl=impl, ns_steps=4)
     assert got["prediction"] == asdict(want)
+
+
+def test_ns_split_reaches_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ns-split`` is ``predict(..., split=True)``: Llama-3-70B on 1,024 GPUs gets shorter."""
+    argv = ["--model", "llama3-70b", "--gpus", "1024", "--json"]
+    plain = json.loads(_run(capsys, *argv))["prediction"]
+    split = json.loads(_run(capsys, *argv, "--ns-split"))["prediction"]
+    want = predict(LLAMA3_70B, 1024, split=True)
+    assert split == asdict(want) and split["total"] < 0.6 * plain["total"]
+    assert "ns_split auto" in _run(capsys, "--model", "llama3-70b", "--gpus", "1024", "--ns-split")
 
 
 @pytest.mark.parametrize(

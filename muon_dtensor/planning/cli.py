@@ -73,6 +73,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (5)")
     g.add_argument(
+        "--ns-split", action="store_true", help='split the largest matrices where it pays, as ns_split="auto"'
+    )
+    g.add_argument(
         "--max-round-bytes",
         type=int,
         default=DEFAULT_ROUND_BYTES,
@@ -162,6 +165,7 @@ def plan(args: argparse.Namespace) -> Prediction:
         ns_steps=args.ns_steps,
         replicas=args.layout.replicate,
         owners=args.owners,
+        split=args.ns_split,
     )
 
 
@@ -177,7 +181,8 @@ def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
         f"TB/s, links {hw.intra_node_bandwidth / 1e9:g} / {hw.inter_node_bandwidth / 1e9:g} GB/s each "
         f"way (in / across nodes), {hw.collective_latency * 1e6:g} us per collective, "
         f"{hw.op_overhead * 1e6:g} us per eager op",
-        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}, owners {args.owners}",
+        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}, owners {args.owners}"
+        + (", ns_split auto" if args.ns_split else ""),
     ]
 
 
