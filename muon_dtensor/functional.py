@@ -81,17 +81,7 @@ def muon_step(
         assert second_moments is not None, "a NorMuon step needs its second moments"
         ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]
         compute = partial(normuon_orthogonalize, config=config, beta2=hyper.beta2)
-    # A parameter that is one matrix takes its result as its update as soon as its round is back;
-    # the others (several matrices or a split matrix's parts) assemble an update tensor first.
-    views: dict[int, list[View]] = {pos: [] for pos in range(len(params))}
-    for domain in domains:
-        for pos, view in domain.members:
-            views[pos].append(view)
-    assembled = {
-        pos: torch.empty_like(p, memory_format=torch.contiguous_format)
-        for pos, p in enumerate(params)
-        if not whole_matrix(views[pos], p.shape)
-    }
+    assembled = _update_buffers(params, domains)
     for domain in domains:
         pairs = list(domain.members)
         finalize: Finalize = partial(_finalize, pairs, params, assembled, hyper)
@@ -111,6 +101,20 @@ def muon_step(
     apply_updates(
         [params[i] for i in mine], list(assembled.values()), lr=hyper.lr, weight_decay=hyper.weight_decay
     )
+
+
+def _update_buffers(params: Sequence[Tensor], domains: Sequence[Domain]) -> dict[int, Tensor]:
+    """An update tensor per parameter that is not one whole matrix (several matrices, or a split
+    matrix's parts), by position; a whole matrix takes its result as soon as its round is back."""
+    views: dict[int, list[View]] = {pos: [] for pos in range(len(params))}
+    for domain in domains:
+        for pos, view in domain.members:
+            views[pos].append(view)
+    return {
+        pos: torch.empty_like(p, memory_format=torch.contiguous_format)
+        for pos, p in enumerate(params)
+        if not whole_matrix(views[pos], p.shape)
+    }
 
 
 def _with_second_moment(v: Tensor, ns_in: Tensor) -> Tensor:
