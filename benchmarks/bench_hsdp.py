@@ -41,7 +41,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import system_info, wait_for_quiet  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    alternate_timed_steps,
+    results_config,
+    slowest_rank_steps,
+    system_info,
+    wait_for_quiet,
+)
 from muon_dtensor._sharding.traffic import mean_traffic  # noqa: E402
 from muon_dtensor.planning.costmodel import transformer_shapes  # noqa: E402
 
@@ -98,17 +104,7 @@ def rank_contenders(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     shapes = transformer_shapes(args.layers, args.width)
     opts = {label: _optimizer(m, kind, owners, shapes) for label, (m, kind, owners) in CONTENDERS.items()}
-    for opt in opts.values():
-        for _ in range(args.warmup):
-            opt.step()
-        opt.comm_stats.reset()
-    times: dict[str, list[float]] = {label: [] for label in opts}
-    for _ in range(args.steps):
-        for label, opt in opts.items():
-            dist.barrier()
-            start = time.perf_counter()
-            opt.step()
-            times[label].append(time.perf_counter() - start)
+    times = alternate_timed_steps(opts, args.steps, args.warmup)
     replica = dist.get_rank() // 2  # (2, 2) mesh: ranks 0, 1 are replica 0
     out: dict[str, Any] = {}
     for label, opt in opts.items():
@@ -140,7 +136,7 @@ def summarize(per_rank: list[dict[str, Any]], shapes: list[tuple[int, int]]) -> 
     expected = formulas(shapes)
     rows = []
     for label in CONTENDERS:
-        slowest = [max(t) for t in zip(*(r[label]["times"] for r in per_rank), strict=True)]
+        slowest = slowest_rank_steps(per_rank, label)
         mean = {k: sum(r[label][k] for r in per_rank) / WORLD for k in ("sent", "sent_within", "sent_across")}
         rows.append(
             {"contender": label, "median_ms": statistics.median(slowest) * 1e3}
@@ -204,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     print("; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in verdict.items()))
     print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}, other Python processes: "
           f"{load['other_python_processes']}; run took {time.perf_counter() - started:.0f} s")  # fmt: skip
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    if args.out.resolve().is_relative_to(ROOT):  # no machine paths in the results
-        config["out"] = str(args.out.resolve().relative_to(ROOT))
+    config = results_config(args)
     payload = {**system_info(), "config": config, "load_at_start": load, "rows": rows, "checks": verdict}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

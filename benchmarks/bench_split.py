@@ -37,7 +37,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import system_info, wait_for_quiet  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    alternate_timed_steps,
+    results_config,
+    slowest_rank_steps,
+    system_info,
+    wait_for_quiet,
+)
 from muon_dtensor.demo.cpu import probe  # noqa: E402
 
 WORLD = 2
@@ -93,21 +99,9 @@ def _optimizer(shapes: list[tuple[int, int]], ns_dtype: str, split: str | int) -
 
 def rank_contenders(args: argparse.Namespace, w: int, ns_dtype: str) -> dict[str, Any]:
     """Inside a rank: warm every contender up, then alternate timed steps between them."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     opts = {label: _optimizer(shapes_for(w), ns_dtype, split) for label, split in CONTENDERS.items()}
-    for opt in opts.values():
-        for _ in range(args.warmup):
-            opt.step()
-        opt.comm_stats.reset()
-    times: dict[str, list[float]] = {label: [] for label in opts}
-    for _ in range(args.steps):
-        for label, opt in opts.items():
-            dist.barrier()
-            start = time.perf_counter()
-            opt.step()
-            times[label].append(time.perf_counter() - start)
+    times = alternate_timed_steps(opts, args.steps, args.warmup)
     return {
         label: {"times": times[label], "collectives": opt.comm_stats.collectives / args.steps}
         for label, opt in opts.items()
@@ -117,7 +111,7 @@ def rank_contenders(args: argparse.Namespace, w: int, ns_dtype: str) -> dict[str
 def summarize(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for label in CONTENDERS:
-        slowest = [max(t) for t in zip(*(r[label]["times"] for r in per_rank), strict=True)]
+        slowest = slowest_rank_steps(per_rank, label)
         rows.append(
             {"contender": label, "median_ms": statistics.median(slowest) * 1e3}
             | {
@@ -150,9 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}; "
           f"run took {time.perf_counter() - started:.0f} s")  # fmt: skip
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    if args.out.resolve().is_relative_to(ROOT):  # no machine paths in the results
-        config["out"] = str(args.out.resolve().relative_to(ROOT))
+    config = results_config(args)
     payload = {**system_info(), "config": config, "cpu": cpu, "width": w, "ns_dtype": ns_dtype}
     payload |= {"load_at_start": load, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -110,3 +110,37 @@ def system_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "loadavg_1_5_15_min_at_end": os.getloadavg(),
     }
+
+
+def alternate_timed_steps(opts: dict[str, Any], steps: int, warmup: int) -> dict[str, list[float]]:
+    """Inside a rank: ``warmup`` untimed steps of each optimizer (then its ``comm_stats`` reset),
+    then ``steps`` rounds of one barrier-started, timed step each, so a change in the machine's load
+    touches every contender alike. Seconds per step, per label."""
+    import torch.distributed as dist
+
+    for opt in opts.values():
+        for _ in range(warmup):
+            opt.step()
+        opt.comm_stats.reset()
+    times: dict[str, list[float]] = {label: [] for label in opts}
+    for _ in range(steps):
+        for label, opt in opts.items():
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            times[label].append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank_steps(per_rank: list[dict[str, Any]], label: str) -> list[float]:
+    """Each timed step's time on its slowest rank, from every rank's ``[label]["times"]``."""
+    return [max(t) for t in zip(*(r[label]["times"] for r in per_rank), strict=True)]
+
+
+def results_config(args: Any) -> dict[str, Any]:
+    """A script's arguments for its results file, ``--out`` relative to the repository (no machine
+    paths in the results)."""
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if args.out.resolve().is_relative_to(ROOT):
+        config["out"] = str(args.out.resolve().relative_to(ROOT))
+    return config
