@@ -109,7 +109,7 @@ def _inbound(plan: Plan, rnd: Round, me: int) -> Inbound:
         recv[src] += block_numel(block)
     starts = _starts(recv)
     items = [(m, starts[src] + off, b) for m, src, off, b in received]
-    runs, loose = merge_runs(items, _cols(plan))
+    runs, loose = merge_runs(items, _cols(plan, rnd.members))
     return Inbound(
         direct=direct,
         collective=not direct and len(replicated) < len(rnd.members),
@@ -143,7 +143,7 @@ def _outbound(plan: Plan, rnd: Round, me: int) -> Outbound:
         recv[src] += math.prod(shape)
     numels = tuple(sum(block_numel(b) for _, b in per_dest) for per_dest in sends)
     items = [item for per_dest, start in zip(sends, _starts(numels)) for item in _laid(per_dest, start)]
-    runs, loose = merge_runs(items, _cols(plan))
+    runs, loose = merge_runs(items, _cols(plan, rnd.members))
     rest = tuple(items[i] for i in loose)
     return Outbound(True, sends, tuple(recv), own, tuple(received), (), numels, runs, rest)
 
@@ -166,8 +166,9 @@ def _laid(per_dest: Sequence[tuple[int, Block]], start: int) -> list[tuple[int, 
     return out
 
 
-def _cols(plan: Plan) -> dict[int, int]:
-    return {i: e.shape[-1] for i, e in enumerate(plan.entries)}
+def _cols(plan: Plan, members: Sequence[int]) -> dict[int, int]:
+    """Columns of each of a round's matrices (``merge_runs`` needs no others)."""
+    return {m: plan.entries[m].shape[-1] for m in members}
 
 
 def build_routes(plan: Plan, me: int) -> tuple[RoundRoute, ...]:
