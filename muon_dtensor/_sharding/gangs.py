@@ -33,11 +33,6 @@ class Gang:
         """Parts are row blocks of a tall matrix (transposed to run), else column blocks."""
         return self.shape[0] > self.shape[1]
 
-    @property
-    def side(self) -> int:
-        """Rows and columns of the Gram matrix: the small side."""
-        return min(self.shape)
-
 
 @dataclass(frozen=True)
 class SplitRoute:
@@ -46,11 +41,6 @@ class SplitRoute:
 
     gangs: tuple[Gang, ...]
     mine: tuple[tuple[int, int], ...]
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The part entries this rank computes, in ``mine`` order."""
-        return tuple(self.gangs[g].parts[j] for g, j in self.mine)
 
 
 def gang_cost(shape: Sequence[int], k: int) -> int:

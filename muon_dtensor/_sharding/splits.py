@@ -4,8 +4,7 @@
 matrix of the group whose long side has at least k elements, over min(k, the exchange group's
 ranks) ranks (a group of one splits nothing). ``"auto"``: the cost model's choice
 (``planning/split.plan_splits``: a k per shape, taken only where it shortens the busiest rank's
-modelled time), priced on H200 figures with this
-job's node size. The choice depends only on global shapes, the group's size and the node size, so
+modelled time), priced on H200 figures with this job's node size. The choice depends only on global shapes, the group's size and the node size, so
 every rank of a group makes the same one (the agreement checks ``ns_split`` itself).
 """
 
