@@ -2,8 +2,9 @@
 
 Nothing here knows about processes or meshes. Every function takes a batch ``[B, m, n]`` of full
 matrices and treats each matrix independently, so the result for one matrix does not depend on which
-other matrices share its batch (``tests/test_newton_schulz.py`` checks this bitwise). That property is
-what lets an owner rank orthogonalize any subset of matrices and still match a one-process step.
+other matrices share its batch, given one BLAS thread (``tests/test_newton_schulz.py`` checks this
+bitwise; with several, MKL may cut a lone product's work another way than a batch's). That property
+is what lets an owner rank orthogonalize any subset of matrices and still match a one-process step.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
     """``newton_schulz`` of same-shape matrices, batched where batching pays.
 
     On CUDA the matrices run as one batched product. On CPU they run one at a time, which is faster
-    with oneDNN's bfloat16 GEMMs (docs/benchmarks.md); the bits are the same either way
+    with oneDNN's bfloat16 GEMMs (docs/benchmarks.md) and keeps a matrix's bits independent of its
+    batch whatever the BLAS threads; batched, the bits are the same with one thread
     (tests/test_newton_schulz.py).
     """
     if not matrices:

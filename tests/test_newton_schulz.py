@@ -77,9 +77,12 @@ def test_keller_matches_torch_optim_muon_bitwise() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (33, 33)])
-def test_result_of_a_matrix_does_not_depend_on_its_batch(dtype: torch.dtype, shape: tuple) -> None:
+def test_result_of_a_matrix_does_not_depend_on_its_batch(
+    dtype: torch.dtype, shape: tuple, one_thread: None
+) -> None:
     """The owner of a matrix batches it with whichever same-shape matrices it owns; the one-process
-    step batches all of them. Exactness needs each matrix's result to ignore its batch-mates."""
+    step batches all of them. Exactness needs each matrix's result to ignore its batch-mates, which
+    holds with one BLAS thread (the ``one_thread`` fixture says why)."""
     config = resolve_ns_config("keller", 5, 1e-7, dtype)
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
     full = newton_schulz(x, config)
