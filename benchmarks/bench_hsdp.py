@@ -13,7 +13,7 @@ Timed steps alternate between the contenders (1, 2, 3, 1, 2, 3, ...) after each 
 change in the machine's load touches all three alike. A step's time is the slowest rank's (a barrier
 before each step); the table shows the median. Bytes: ``comm_stats.sent`` per rank per step, split
 by destination into bytes within and across replicas, against the formulas of
-``muon_dtensor/_sharding/traffic.py`` (M = all matrices in bf16): FSDP 2 M (N-1) / N^2; HSDP per
+``muon_dtensor.planning.traffic.py`` (M = all matrices in bf16): FSDP 2 M (N-1) / N^2; HSDP per
 replica 2 M (S-1) / S^2 within; HSDP over the mesh (M / N) 2 (S-1) / S within and M (R-1) / N across.
 Every rank uses one torch thread; 4 ranks on a 2-core machine time-share the cores, so each step is
 about twice its work.
@@ -48,8 +48,8 @@ from benchmarks.common import (  # noqa: E402
     system_info,
     wait_for_quiet,
 )
-from muon_dtensor._sharding.traffic import mean_traffic  # noqa: E402
 from muon_dtensor.planning.costmodel import transformer_shapes  # noqa: E402
+from muon_dtensor.planning.traffic import mean_traffic  # noqa: E402
 
 WORLD = 4
 # label -> (mesh shape, placements, owners)

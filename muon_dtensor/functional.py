@@ -26,7 +26,8 @@ from torch import Tensor
 
 from ._sharding.comm import CommStats
 from ._sharding.domains import Domain
-from ._sharding.exchange import Finalize, run_plan, split_compute
+from ._sharding.exchange import Finalize, run_plan
+from ._sharding.split_exchange import split_compute
 from ._sharding.views import View, whole_matrix
 from .elementwise import (
     adamw_update,

@@ -12,14 +12,14 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import agreement, validation
 from ._sharding.comm import CommStats
-from ._sharding.domains import GroupSharding, ViewOptions
-from ._sharding.owners import node_size
+from ._sharding.domains import ViewOptions
 from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
 from ._sharding.plan import DEFAULT_ROUND_BYTES
-from ._sharding.splits import SplitPolicy
 from .functional import MuonHyper, adamw_step, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
 from .normuon import DEFAULT_BETA2
+from .policy import SplitPolicy, node_size
+from .sharding import GroupSharding
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 

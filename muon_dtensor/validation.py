@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from ._compat import _StridedShard
 from ._sharding.comm import sum_over_scopes
 from ._sharding.param_layout import check_placements, same_layout
+from ._sharding.plan import MODES, check_mode
 from .elementwise import ADJUST_LR
 from .newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
 
@@ -41,7 +42,6 @@ __all__ = [
     "resolve_ns_config",
 ]
 
-MODES = ("owner", "gather")
 OWNERS = ("auto", "mesh", "replica")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -78,11 +78,6 @@ def check_flags(group: Mapping[str, Any], index: int) -> None:
                 f"param group {index} sets {key}={group[key]!r}, which muon_dtensor.Muon does not "
                 f"support: {why}. Set it to False or leave it out"
             )
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
 
 
 def check_owners(owners: Any) -> None:

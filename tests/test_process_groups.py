@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from muon_dtensor._sharding import comm
+from muon_dtensor._sharding import comm, groups
 from muon_dtensor.demo.launch import run_ranks
 
 
@@ -31,22 +31,22 @@ def restart_in_process(store: str) -> dict[str, Any]:
     of a 3-D mesh: a new group (all axes of a mesh of every rank would be the default group)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world, 1, 1))
-    first, first_save = comm.exchange_group(mesh, (0, 1)), comm.save_group(None)
+    first, first_save = groups.exchange_group(mesh, (0, 1)), groups.save_group(None)
     before = _sum_over(first)
     dist.destroy_process_group()
     del mesh
     gc.collect()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world, 1, 1))
-    second, second_save = comm.exchange_group(mesh, (0, 1)), comm.save_group(None)
+    second, second_save = groups.exchange_group(mesh, (0, 1)), groups.save_group(None)
     comm.barrier(second_save)
     gc.collect()
     return {
         "before": before,
         "after": _sum_over(second),
         "new_groups": second is not first and second_save is not first_save,
-        "same_when_cached": comm.exchange_group(mesh, (0, 1)) is second,
-        "cached_worlds": len(comm._GROUPS),
+        "same_when_cached": groups.exchange_group(mesh, (0, 1)) is second,
+        "cached_worlds": len(groups._GROUPS),
     }
 
 

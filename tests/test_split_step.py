@@ -126,11 +126,11 @@ def _entries(shapes: Sequence[tuple[int, int]], n: int) -> list:
 
 def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
     from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
-    from muon_dtensor._sharding.domains import build_domains
+    from muon_dtensor._sharding.domains import build_domain, group_members
     from muon_dtensor._sharding.param_layout import ParamLayout
     from muon_dtensor._sharding.routes import build_routes
-    from muon_dtensor._sharding.splits import SplitPolicy
     from muon_dtensor._sharding.views import matrix_views
+    from muon_dtensor.policy import SplitPolicy
 
     n, shapes = 16, [(512, 2048)] * 3 + [(64, 64)] * 20 + [(2048, 512)]
     layouts, views = [], []
@@ -138,7 +138,9 @@ def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
         blocks = shard_blocks(s, [AxisShard(0, 0, n)])
         layouts.append(ParamLayout(None, (0,), blocks, 5, None))
         views.append(matrix_views(s, blocks, 5, name="w"))
-    (domain,) = build_domains(layouts, views, "owner", 300_000, SplitPolicy(4))
+    (members,) = group_members(layouts, views)
+    ks = SplitPolicy(4).ks([view.shape for _, view in members], n)
+    domain = build_domain(members, layouts, ks, "owner", 300_000)
     plan = domain.plan
     assert len(plan.gangs) == len(shapes)  # every matrix has a long side >= 4
     for gang in plan.gangs:
@@ -158,8 +160,8 @@ def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
 
 
 def test_auto_splits_only_where_the_model_says_it_pays() -> None:
-    from muon_dtensor._sharding.splits import SplitPolicy
     from muon_dtensor.planning.costmodel import LLAMA3_70B
+    from muon_dtensor.policy import SplitPolicy
 
     shapes = [tuple(s) for s in LLAMA3_70B]
     auto = SplitPolicy("auto")

@@ -30,8 +30,8 @@ from muon_dtensor import Muon
 from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, full_block, mesh_blocks
 from muon_dtensor._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
 from muon_dtensor._sharding.routes import build_routes
-from muon_dtensor._sharding.traffic import Traffic, mean_traffic, traffic
 from muon_dtensor.planning.costmodel import LLAMA3_8B, Hardware, compare_owners, hsdp_plan, predict
+from muon_dtensor.planning.traffic import Traffic, mean_traffic, traffic
 from tests.models import distribute_like, full, stepped
 from tests.ranks import run_ranks
 
@@ -369,14 +369,14 @@ def test_plan_command_prices_hsdp_with_the_optimizers_default_owners(
 def split_vote() -> tuple[bool, int]:
     """Rank function: rank 0 alone finds owners over the mesh cheaper (the cost model's verdict
     patched, and restored: the pool's processes live on); every rank must take the same layout."""
-    from muon_dtensor._sharding import owners
+    from muon_dtensor import policy
 
-    verdict = owners._mesh_pays
-    owners._mesh_pays = lambda *args: dist.get_rank() == 0
+    verdict = policy._mesh_pays
+    policy._mesh_pays = lambda *args: dist.get_rank() == 0
     try:
         _, _, opt = _run((2, 2), [(Replicate(), Shard(0))], owners="auto")
     finally:
-        owners._mesh_pays = verdict
+        policy._mesh_pays = verdict
     return bool(opt._shardings[0][1].across), opt.comm_stats.orthogonalized
 
 
@@ -391,22 +391,22 @@ def stage_meshes_auto() -> tuple[bool, int]:
     over the mesh would pay (the verdict patched), "auto" keeps owners per replica there: a mesh of
     fewer ranks than the world would need a new group, collective over every rank (a hang, since the
     other stage builds another optimizer)."""
-    from muon_dtensor._sharding import owners
+    from muon_dtensor import policy
 
     world = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))
     stage = world["rep", "shard"]
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), stage, [Replicate(), Shard(0)]))
               for s in SHAPES]  # fmt: skip
-    verdict = owners._mesh_pays
-    owners._mesh_pays = lambda *args: True
+    verdict = policy._mesh_pays
+    policy._mesh_pays = lambda *args: True
     try:
         opt = Muon([{"params": params, "owners": "auto"}], lr=0.02)
         for p in params:
             p.grad = distribute_like(p, torch.randn(p.shape, generator=gen))
         opt.step()
     finally:
-        owners._mesh_pays = verdict
+        policy._mesh_pays = verdict
     return bool(opt._shardings[0][1].across), opt.comm_stats.orthogonalized
 
 

@@ -12,10 +12,8 @@ result. Groups are cached per default process group, so they are dropped with it
 from __future__ import annotations
 
 import functools
-import math
 import pickle
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,15 +23,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import has_cpu_backend
-from ..split_ns import part_sizes
-from .gangs import SplitRoute
 
 __all__ = [
     "CommStats",
-    "GangComm",
     "barrier",
     "broadcast_object",
-    "exchange_group",
     "first_error",
     "gather_objects",
     "gather_over_scope",
@@ -41,26 +35,12 @@ __all__ = [
     "max_over_mesh",
     "pack_chunks",
     "rank_and_size",
-    "save_group",
     "start_all_to_all",
     "start_exchange",
     "sum_over_group",
     "sum_over_mesh",
     "sum_over_scopes",
 ]
-
-# default process group -> {key: a group this rank created}; entries go when the default group does
-_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _cached(key: tuple, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    groups = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
-    if key not in groups:
-        groups[key] = create()
-    return groups[key]
-
 
 class CommStats:
     """Bytes this rank sent to and received from other ranks, collectives issued and matrices
@@ -155,32 +135,6 @@ def _warn_device_round_trip() -> None:
     )
 
 
-def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group of this rank over mesh ``axes`` (the others fixed).
-
-    One axis is the mesh's own group. Several axes (FSDP x TP) need new groups; ``new_group`` is
-    collective over the default group, so every rank creates every subgroup of the mesh, in the
-    same order: call this on all ranks for the same (mesh, axes), e.g. while building the optimizer.
-    """
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
-        # the whole mesh is every rank (HSDP owners over the mesh): the default group serves
-        return dist.distributed_c10d._get_default_group()
-
-    def create() -> dist.ProcessGroup:
-        others = [a for a in range(mesh.ndim) if a not in axes]
-        moved = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes))
-        mine = None
-        for ranks in moved.tolist():
-            group = dist.new_group(sorted(ranks))
-            mine = group if dist.get_rank() in ranks else mine
-        assert mine is not None, "this rank is in its own mesh"
-        return mine
-
-    return _cached(("exchange", tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), axes), create)
-
-
 def sum_over_scopes(
     counts: Tensor, scopes: Sequence[DeviceMesh | dist.ProcessGroup]
 ) -> list[tuple[Tensor, int]]:
@@ -214,15 +168,6 @@ def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _solo(group: dist.ProcessGroup | None) -> bool:
     return rank_and_size(group)[1] == 1
-
-
-def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group used only by saves: an async save that shares the training group can interleave
-    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
-    if not dist.is_initialized():
-        return None
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return _cached(("save", ranks), lambda: dist.new_group(list(ranks), backend="gloo"))
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
@@ -345,68 +290,3 @@ def start_exchange(
     return finish
 
 
-class GangComm:
-    """``split_ns.GangOps`` over an exchange group: each gang's row blocks move in an all-to-all of
-    the whole group that carries bytes only between the gang's ranks. Every rank of the group calls
-    every method in the same order, with nothing to send when it computes no part (``route.mine``
-    empty); ``dtype`` types those empty buffers. Sums run in gang order, as ``LocalGang``'s do."""
-
-    def __init__(
-        self, route: SplitRoute, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats | None
-    ) -> None:
-        self.gangs = [route.gangs[g] for g, _ in route.mine]
-        self.slots = [j for _, j in route.mine]
-        self.group, self.dtype, self.stats = group, dtype, stats
-
-    def _exchange(self, sends: list[list[Tensor]], recv: list[int], like: Sequence[Tensor]) -> list[Tensor]:
-        sample = like[0] if like else torch.empty(0, dtype=self.dtype)
-        finish = start_all_to_all(
-            sends, recv, group=self.group, dtype=sample.dtype, device=sample.device, stats=self.stats
-        )
-        return finish()
-
-    def reduce_rows(self, parts: Sequence[Tensor]) -> list[Tensor]:
-        size = dist.get_world_size(self.group)
-        sends: list[list[Tensor]] = [[] for _ in range(size)]
-        recv = [0] * size
-        chunks = [p.tensor_split(len(g.ranks), dim=-2) for p, g in zip(parts, self.gangs)]
-        for gang, j, pieces in zip(self.gangs, self.slots, chunks):
-            for rank, piece in zip(gang.ranks, pieces):
-                sends[rank].append(piece)
-                recv[rank] += pieces[j].numel()
-        got = self._exchange(sends, recv, parts)
-        offsets = [0] * size
-        out = []
-        for gang, j, pieces in zip(self.gangs, self.slots, chunks):
-            total: Tensor | None = None
-            for rank in gang.ranks:
-                n = pieces[j].numel()
-                piece = got[rank][offsets[rank] : offsets[rank] + n].view(pieces[j].shape)
-                offsets[rank] += n
-                total = piece.clone() if total is None else total.add_(piece)
-            assert total is not None
-            out.append(total)
-        return out
-
-    def gather_rows(self, rows: Sequence[Tensor], totals: Sequence[int]) -> list[Tensor]:
-        size = dist.get_world_size(self.group)
-        sends: list[list[Tensor]] = [[] for _ in range(size)]
-        recv = [0] * size
-        shapes = []
-        for gang, row, total in zip(self.gangs, rows, totals):
-            lead, cols = row.shape[:-2], row.shape[-1]
-            shapes.append([(*lead, n, cols) for n in part_sizes(total, len(gang.ranks))])
-            for rank, shape in zip(gang.ranks, shapes[-1]):
-                sends[rank].append(row)
-                recv[rank] += math.prod(shape)
-        got = self._exchange(sends, recv, rows)
-        offsets = [0] * size
-        out = []
-        for gang, pieces in zip(self.gangs, shapes):
-            blocks = []
-            for rank, shape in zip(gang.ranks, pieces):
-                n = math.prod(shape)
-                blocks.append(got[rank][offsets[rank] : offsets[rank] + n].view(shape))
-                offsets[rank] += n
-            out.append(torch.cat(blocks, dim=-2))
-        return out

@@ -20,15 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..newton_schulz import NSConfig
-from ..split_ns import split_newton_schulz
 from .blocks import Block, block_numel, block_shape
-from .comm import CommStats, GangComm, pack_chunks, start_exchange
+from .comm import CommStats, pack_chunks, start_exchange
 from .gangs import SplitRoute
 from .routes import Inbound, Outbound, RoundRoute
 from .runs import Run
 
-__all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan", "split_compute"]
+__all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan"]
 
 Prepare = Callable[[int], Tensor]  # member -> my block of it, in the Newton-Schulz dtype
 Compute = Callable[[Sequence[Tensor]], Sequence[Tensor]]  # same-shape full matrices -> results
@@ -203,22 +201,3 @@ def _compute(stacks: Stacks, compute: Compute, stats: CommStats | None) -> dict[
 def _finish(route: RoundRoute, finish: Callable[[], dict[int, Tensor]], finalize: Finalize) -> None:
     mine = finish()
     finalize(route.members, [mine[m] for m in route.members])
-
-
-def split_compute(
-    route: SplitRoute,
-    parts: dict[int, Tensor],
-    *,
-    config: NSConfig,
-    group: dist.ProcessGroup | None,
-    stats: CommStats | None = None,
-) -> dict[int, Tensor]:
-    """Step 3 for a round's split matrices: this rank's parts (tall matrices' row blocks transposed
-    into the wide form's column blocks) orthogonalized with their gangs, back in the parts' shape."""
-    assert group is not None, "a split matrix spans ranks of a group"
-    gangs = [(route.gangs[g], j) for g, j in route.mine]
-    blocks = [parts[g.parts[j]].mT if g.tall else parts[g.parts[j]] for g, j in gangs]
-    outs = split_newton_schulz(blocks, config, GangComm(route, group, config.dtype, stats))
-    if stats is not None:
-        stats.orthogonalized += sum(j == 0 for _, j in gangs)  # each split matrix once
-    return {g.parts[j]: out.mT if g.tall else out for (g, j), out in zip(gangs, outs)}

@@ -14,14 +14,12 @@ from torch.distributed.tensor import zeros as dtensor_zeros
 
 from .._compat import _StridedShard, local_tensor
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
-from .comm import exchange_group
 
 __all__ = [
     "check_placements",
     "ParamLayout",
     "describe",
     "exchange_axes",
-    "layout_of",
     "relayout",
     "replica_count",
     "row_state_zeros",
@@ -143,7 +141,7 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool
     """The layout of ``p`` given its exchange ``group`` (None: this rank alone); raises ValueError
     naming ``name`` for layouts not handled. A plain tensor with a group is replicated over it (DDP).
     ``across``: the group is the whole mesh and spans ``p``'s replicas. Reads only: the group is
-    created by the caller (``layout_of``)."""
+    created by the caller (``sharding.layout_of``)."""
     if not isinstance(p, DTensor):
         if group is None or dist.get_world_size(group) == 1:
             return ParamLayout(None, (), (full_block(p.shape),), 0, None)
@@ -170,22 +168,6 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool
             name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
         )
     return ParamLayout(mesh, axes, blocks, rank, group, replica_of)
-
-
-def layout_of(
-    p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None, *, across: bool = False
-) -> ParamLayout:
-    """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
-    this for the same parameters in the same order). ``ddp_group`` serves plain tensors. ``across``:
-    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks."""
-    if not isinstance(p, DTensor):
-        return describe(p, name, ddp_group)
-    check_placements(p, name)
-    mesh = p.device_mesh
-    across = across and replica_count(p) > 1
-    axes = exchange_axes(p, name, across)
-    group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
-    return describe(p, name, group, across)
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:

@@ -19,18 +19,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..newton_schulz import ns_flops
-from ..validation import check_mode
 from .blocks import Block, block_numel
 from .gangs import Gang, gang_cost, gang_start
 
 __all__ = [
     "DEFAULT_ROUND_BYTES",
+    "MODES",
+    "check_mode",
     "EVERYONE",
     "MatrixEntry",
     "Plan",
     "Round",
     "build_plan",
 ]
+
+# "owner": each matrix once, on a balanced owner; "gather": every rank computes every matrix.
+MODES = ("owner", "gather")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
 
 # Owner value meaning "every rank of the group computes this matrix" (gather mode).
 EVERYONE = -1

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .._sharding import comm
+from .._sharding import comm, groups
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
 from .manifest import (
@@ -263,7 +263,7 @@ def async_save_checkpoint(
     the same step, or another async save, before then raises on every rank."""
     extra = _check_arguments(step, extra, keep_last)
     tmp, final = _prepare(Path(root), step, process_group, asynchronous=True)
-    group = comm.save_group(process_group)
+    group = groups.save_group(process_group)
     future = dcp.async_save(
         _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
     )

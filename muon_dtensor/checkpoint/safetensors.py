@@ -24,7 +24,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._sharding.blocks import Block
-from .._sharding.param_layout import layout_of, local_of
+from .._sharding.param_layout import local_of
+from ..sharding import layout_of
 from ._warnings import single_process
 from .manifest import CheckpointError
 

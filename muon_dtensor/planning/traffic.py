@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .blocks import block_numel
-from .plan import EVERYONE, MatrixEntry, Plan
+from .._sharding.blocks import block_numel
+from .._sharding.plan import EVERYONE, MatrixEntry, Plan
 
 __all__ = ["Traffic", "mean_traffic", "traffic"]
 

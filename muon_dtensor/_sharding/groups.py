@@ -1,0 +1,64 @@
+"""Every process group muon_dtensor creates is created here, and cached per default process group,
+so the groups are dropped with it (``destroy_process_group``) and a new one starts afresh.
+
+Creating a group is collective over the default group: each function is called on every rank for
+the same arguments in the same order (while the optimizer builds its sharding, or on a first save).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["exchange_group", "save_group"]
+
+# default process group -> {key: a group this rank created}; entries go when the default group does
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cached(key: tuple, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    groups = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in groups:
+        groups[key] = create()
+    return groups[key]
+
+
+def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of this rank over mesh ``axes`` (the others fixed).
+
+    One axis is the mesh's own group. Several axes (FSDP x TP) need new groups; ``new_group`` is
+    collective over the default group, so every rank creates every subgroup of the mesh, in the
+    same order: call this on all ranks for the same (mesh, axes), e.g. while building the optimizer.
+    """
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
+        # the whole mesh is every rank (HSDP owners over the mesh): the default group serves
+        return dist.distributed_c10d._get_default_group()
+
+    def create() -> dist.ProcessGroup:
+        others = [a for a in range(mesh.ndim) if a not in axes]
+        moved = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes))
+        mine = None
+        for ranks in moved.tolist():
+            group = dist.new_group(sorted(ranks))
+            mine = group if dist.get_rank() in ranks else mine
+        assert mine is not None, "this rank is in its own mesh"
+        return mine
+
+    return _cached(("exchange", tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), axes), create)
+
+
+def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group used only by saves: an async save that shares the training group can interleave
+    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
+    if not dist.is_initialized():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return _cached(("save", ranks), lambda: dist.new_group(list(ranks), backend="gloo"))
