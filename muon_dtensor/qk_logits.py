@@ -1,13 +1,11 @@
 """Record each attention layer's largest pre-softmax logit per head: the input of ``qk_clip_``.
 
 Forward hooks recompute the scores ``q k^T * scale`` (mask included) from the layer's own q and k,
-under ``no_grad``, and keep a running max per query head. Two models are covered:
+under ``no_grad``, and keep a running max per query head (``MaxLogits``; ``head_ids`` and
+``causal_max`` serve recorders of other models, such as the demo's in ``demo/logits.py``).
 
-- the demo's ``TinyLM`` (``record_demo_logits``): its blocks call ``F.scaled_dot_product_attention``,
-  which never exposes its scores, so the hooks take the ``q`` and ``k`` projections' outputs (the
-  exact tensors SDPA receives) and apply SDPA's default scale ``1/sqrt(head_dim)`` and causal mask;
-- Hugging Face's ``LlamaForCausalLM`` with ``attn_implementation="eager"``
-  (``record_llama_logits``): the hook repeats eager attention's own ops on the layer's inputs (q/k
+Hugging Face's ``LlamaForCausalLM`` with ``attn_implementation="eager"``
+(``record_llama_logits``): the hook repeats eager attention's own ops on the layer's inputs (q/k
   projections, rotary embedding, ``repeat_kv``, ``matmul * scaling + attention_mask``), so it sees
   the tensor eager's softmax sees. Keys from a generation cache (earlier tokens) are not included.
 
@@ -32,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .qk_clip import local_rows
 
-__all__ = ["MaxLogits", "record_demo_logits", "record_llama_logits"]
+__all__ = ["MaxLogits", "causal_max", "head_ids", "local_part", "record_llama_logits"]
 
 
 class MaxLogits:
@@ -76,7 +74,7 @@ class MaxLogits:
         self.values[name] = current
 
 
-def _head_ids(weight: Tensor, width: int, head_dim: int, name: str) -> Tensor:
+def head_ids(weight: Tensor, width: int, head_dim: int, name: str) -> Tensor:
     """Global indices of the heads a projection output of ``width`` features holds, in order."""
     rows = local_rows(weight, name) if isinstance(weight, DTensor) else torch.arange(weight.shape[0])
     heads = rows[::head_dim] // head_dim
@@ -90,7 +88,7 @@ def _head_ids(weight: Tensor, width: int, head_dim: int, name: str) -> Tensor:
     return heads
 
 
-def _causal_max(q: Tensor, k: Tensor, scale: float) -> Tensor:
+def causal_max(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """Per-head max of ``q k^T * scale`` over batch, query and causally visible key positions.
     ``q``, ``k``: ``[batch, heads, seq, head_dim]``."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -99,42 +97,8 @@ def _causal_max(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return scores.masked_fill(hidden, -math.inf).amax(dim=(0, 2, 3))
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _watch_demo_block(rec: MaxLogits, name: str, block: Any) -> None:
-    """Hooks on a TinyLM block's ``q`` and ``k``: whichever runs second computes the scores."""
-    head_dim = int(block.head_dim)
-    seen: dict[str, Tensor] = {}
-
-    def grab(part: str, module: Any) -> Callable[..., None]:
-        def hook(_: nn.Module, inputs: Any, output: Tensor) -> None:
-            out = _local(output).detach()
-            seen[part] = out.view(*out.shape[:-1], -1, head_dim).transpose(1, 2)
-            if part == "q":
-                seen["heads"] = _head_ids(module.weight, out.shape[-1], head_dim, f"{name}.q.weight")
-            if {"q", "k"} <= seen.keys():
-                with torch.no_grad():
-                    rec.update(name, seen["heads"], _causal_max(seen["q"], seen["k"], head_dim**-0.5))
-                seen.clear()
-
-        return hook
-
-    for part in ("q", "k"):
-        module = getattr(block, part)
-        rec.handles.append(module.register_forward_hook(grab(part, module)))
-
-
-def record_demo_logits(model: nn.Module) -> MaxLogits:
-    """Hooks on every ``muon_dtensor.demo.model.Block`` of ``model``; ``values`` keyed by block name."""
-    from .demo.model import Block
-
-    blocks = {n: m for n, m in model.named_modules() if isinstance(m, Block)}
-    rec = MaxLogits({n: b.q.weight.shape[0] // b.head_dim for n, b in blocks.items()})
-    for name, block in blocks.items():
-        _watch_demo_block(rec, name, block)
-    return rec
+def local_part(t: Tensor) -> Tensor:
+    return t.tolocal_part() if isinstance(t, DTensor) else t
 
 
 def _llama_hook(rec: MaxLogits, name: str) -> Callable[..., None]:
@@ -146,13 +110,13 @@ def _llama_hook(rec: MaxLogits, name: str) -> Callable[..., None]:
         cos, sin = kwargs["position_embeddings"]
         mask = kwargs.get("attention_mask")
         shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        q = _local(attn.q_proj(hidden)).view(shape).transpose(1, 2)
-        k = _local(attn.k_proj(hidden)).view(shape).transpose(1, 2)
+        q = local_part(attn.q_proj(hidden)).view(shape).transpose(1, 2)
+        k = local_part(attn.k_proj(hidden)).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         scores = torch.matmul(q, repeat_kv(k, attn.num_key_value_groups).transpose(2, 3)) * attn.scaling
         if mask is not None:  # as eager_attention_forward adds it (a boolean mask: True = attend)
             scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-        heads = _head_ids(
+        heads = head_ids(
             attn.q_proj.weight, q.shape[1] * attn.head_dim, attn.head_dim, f"{name}.q_proj.weight"
         )
         rec.update(name, heads, scores.amax(dim=(0, 2, 3)))

@@ -21,12 +21,12 @@ from muon_dtensor.planning.costmodel import (
     FUSED,
     LLAMA3_8B,
     Hardware,
-    _pipeline,
     fit_latency_bandwidth,
     predict,
     sharded_plan,
     transformer_shapes,
 )
+from muon_dtensor.planning.links import pipeline_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIFORM = [(512, 256)] * 64  # 64 equal matrices: every rank owns the same number at N | 64
@@ -143,12 +143,14 @@ def test_gpu_script_exits_2_with_a_message_without_cuda() -> None:
 def test_pipeline_follows_run_plans_issue_order() -> None:
     """One round runs in, compute, out back to back; with several, the exchange hides behind compute
     except the first round in and the last round out, and a slow link shows through."""
-    assert _pipeline([5.0], [1.0], [2.0]) == pytest.approx(8.0)
-    assert _pipeline([5.0] * 4, [1.0] * 4, [1.0] * 4) == pytest.approx(1.0 + 20.0 + 1.0)
+    assert pipeline_seconds([5.0], [1.0], [2.0]) == pytest.approx(8.0)
+    assert pipeline_seconds([5.0] * 4, [1.0] * 4, [1.0] * 4) == pytest.approx(1.0 + 20.0 + 1.0)
     # Links slower than compute: the collective stream (in 0, in 1, out 0, in 2, ...) sets the pace.
-    assert _pipeline([1.0] * 4, [5.0] * 4, [5.0] * 4) == pytest.approx(40.0)  # 8 collectives back to back
+    assert pipeline_seconds([1.0] * 4, [5.0] * 4, [5.0] * 4) == pytest.approx(
+        40.0
+    )  # 8 collectives back to back
     # Gather mode: nothing travels back.
-    assert _pipeline([2.0, 2.0], [1.0, 1.0], [0.0, 0.0]) == pytest.approx(5.0)
+    assert pipeline_seconds([2.0, 2.0], [1.0, 1.0], [0.0, 0.0]) == pytest.approx(5.0)
 
 
 def test_pipelined_rounds_beat_one_round_for_llama3_8b() -> None:

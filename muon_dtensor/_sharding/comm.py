@@ -42,6 +42,7 @@ __all__ = [
     "sum_over_scopes",
 ]
 
+
 class CommStats:
     """Bytes this rank sent to and received from other ranks, collectives issued and matrices
     this rank orthogonalized, for benchmarks and tests; ``sent_to`` splits ``sent`` by
@@ -288,5 +289,3 @@ def start_exchange(
         return recv
 
     return finish
-
-

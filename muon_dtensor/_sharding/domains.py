@@ -59,7 +59,9 @@ def _entry(view: View, layout: ParamLayout) -> MatrixEntry:
     return MatrixEntry(view.shape, view.blocks, replicated=replicated, replica_of=layout.replica_of)
 
 
-def group_members(layouts: Sequence[ParamLayout], views: Sequence[Sequence[View]]) -> list[list[tuple[int, View]]]:
+def group_members(
+    layouts: Sequence[ParamLayout], views: Sequence[Sequence[View]]
+) -> list[list[tuple[int, View]]]:
     """The (param position, view) pairs of each exchange group, in parameter order."""
     grouped: dict[tuple, list[tuple[int, View]]] = {}
     for pos, layout in enumerate(layouts):

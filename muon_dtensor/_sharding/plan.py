@@ -41,6 +41,7 @@ def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode should be 'owner' or 'gather' but is: {mode!r}")
 
+
 # Owner value meaning "every rank of the group computes this matrix" (gather mode).
 EVERYONE = -1
 # Full matrices (bf16) per exchange round by default: 16% faster than one round and a quarter of its

@@ -1,7 +1,7 @@
 """The demo's ``--qk-clip``: QK-Clip after every optimizer step, with the largest logit before and after.
 
 After each step every block's q and k weights go through ``muon_dtensor.qk_clip_`` with the step's
-per-head max logits (``muon_dtensor.qk_logits.record_demo_logits``). For the report the same
+per-head max logits (``demo/logits.record_demo_logits``). For the report the same
 micro-batches run forward twice more, without gradients: with the updated weights before and after
 clipping. Both optimizers' runs clip alike, so each is still compared with its own uninterrupted twin.
 """
@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from muon_dtensor._sharding import comm
 from muon_dtensor.qk_clip import qk_clip_
-from muon_dtensor.qk_logits import record_demo_logits
 
+from .logits import record_demo_logits
 from .model import Block
 
 __all__ = ["DEFAULT_THRESHOLD", "StepClip", "describe", "same_after_resume", "table"]

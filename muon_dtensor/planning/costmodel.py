@@ -11,7 +11,7 @@ as ``functional.muon_step`` runs them:
 2. **mid**: the rounds of ``_sharding.exchange.run_plan``, pipelined as it issues them: round k+1's
    all-to-all to the owners and round k-1's all-to-all back travel while round k's matrices are
    assembled and orthogonalized (one collective stream in issue order, one compute stream;
-   ``_pipeline``);
+   ``links.pipeline_seconds``);
 3. **post**: the scaled update and weight decay on local shards (memory-bound).
 
 Each phase costs device time (bytes over memory bandwidth, flops over the matmul rate, link bytes over
@@ -43,9 +43,10 @@ from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, buil
 from .._sharding.runs import owner_copies
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
-from .links import back_links, to_owner_links
+from .links import back_links, pipeline_seconds, to_owner_links
 from .plans import hsdp_plan, sharded_plan
 from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
+from .split import split_exchange_seconds
 
 __all__ = [
     "CURRENT",
@@ -163,21 +164,6 @@ def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, c
     return worst
 
 
-def _pipeline(compute: Sequence[float], to_owner: Sequence[float], back: Sequence[float]) -> float:
-    """Device seconds of ``exchange.run_plan``'s rounds. Collectives run one at a time in issue order
-    (in 0, in 1, out 0, in 2, out 1, ...); round k's compute waits for in k, out k for round k."""
-    comm = to_owner[0]
-    done_in = [comm] + [0.0] * (len(compute) - 1)
-    busy = 0.0
-    for k, seconds in enumerate(compute):
-        if k + 1 < len(compute):
-            comm += to_owner[k + 1]
-            done_in[k + 1] = comm
-        busy = max(busy, done_in[k]) + seconds
-        comm = max(comm, busy) + back[k]
-    return max(comm, busy)
-
-
 def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tuple[float, float, float]:
     """Eager ops before, during and after the exchange, on the busiest rank."""
     n, matrices = plan.group_size, len(plan.entries)
@@ -244,7 +230,7 @@ def _phases(
         "sent_max": max(sent),
         "preflight": preflight,
         "pre_dev": preflight + (local * impl.pre_bytes + pack * impl.copy_bytes) / hw.memory_bandwidth,
-        "mid_dev": _pipeline(compute, [c[0] for c in comm], [c[1] for c in comm]),
+        "mid_dev": pipeline_seconds(compute, [c[0] for c in comm], [c[1] for c in comm]),
         "post_dev": local * impl.post_bytes / hw.memory_bandwidth,
         "pre_host": pre * hw.op_overhead,
         "mid_host": mid * hw.op_overhead,
@@ -284,7 +270,6 @@ def _with_splits(
     algorithm: str,
 ) -> tuple[float, dict[str, float]]:
     """The step with the largest matrices split over a few ranks (``split.py``; ``ns_split="auto"``)."""
-    from .split import split_exchange_seconds  # not at the top: split.py imports this module
 
     mid, comm, splits = split_exchange_seconds(
         plan, hw, nodes, ns_steps=ns_steps, itemsize=itemsize, ns_algorithm=algorithm

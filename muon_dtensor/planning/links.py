@@ -10,7 +10,7 @@ from .._sharding.blocks import block_numel
 from .._sharding.plan import EVERYONE, MatrixEntry, Plan
 from .hardware import Hardware
 
-__all__ = ["Links", "back_links", "to_owner_links"]
+__all__ = ["Links", "back_links", "pipeline_seconds", "to_owner_links"]
 
 
 @dataclass
@@ -101,3 +101,18 @@ def back_links(
             if r != owner:
                 links.add(owner, r, block_numel(block) * itemsize, nodes)
     return links
+
+
+def pipeline_seconds(compute: Sequence[float], to_owner: Sequence[float], back: Sequence[float]) -> float:
+    """Device seconds of ``exchange.run_plan``'s rounds. Collectives run one at a time in issue order
+    (in 0, in 1, out 0, in 2, out 1, ...); round k's compute waits for in k, out k for round k."""
+    comm = to_owner[0]
+    done_in = [comm] + [0.0] * (len(compute) - 1)
+    busy = 0.0
+    for k, seconds in enumerate(compute):
+        if k + 1 < len(compute):
+            comm += to_owner[k + 1]
+            done_in[k + 1] = comm
+        busy = max(busy, done_in[k]) + seconds
+        comm = max(comm, busy) + back[k]
+    return max(comm, busy)

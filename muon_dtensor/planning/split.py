@@ -38,7 +38,7 @@ from .._sharding.plan import Plan
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from ..split_ns import split_flops
 from .hardware import Hardware
-from .links import Links
+from .links import Links, pipeline_seconds
 
 __all__ = [
     "SplitPlan",
@@ -286,9 +286,8 @@ def split_exchange_seconds(
 ) -> tuple[float, float, SplitPlan]:
     """Device seconds of the exchange phase of ``plan`` (owner mode) with splits, the seconds of its
     all-to-alls, and the splits:
-    the plan's rounds, pipelined as ``costmodel._pipeline`` does, each member computed and its
+    the plan's rounds, pipelined as ``links.pipeline_seconds`` does, each member computed and its
     traffic sent on the ranks ``plan_splits`` gives it (a round's compute: its busiest rank's sum)."""
-    from .costmodel import _pipeline  # costmodel imports this module only inside predict
 
     replicas = max((len(set(e.replica_of)) for e in plan.entries if e.replica_of is not None), default=1)
     shapes = [e.shape for e in plan.entries]
@@ -311,4 +310,4 @@ def split_exchange_seconds(
         into, out = split_links(plan, rnd.members, splits, itemsize, nodes)
         to_owner.append(into.seconds(hw))
         back.append(out.seconds(hw))
-    return _pipeline(compute, to_owner, back), sum(to_owner) + sum(back), splits
+    return pipeline_seconds(compute, to_owner, back), sum(to_owner) + sum(back), splits
