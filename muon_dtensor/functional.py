@@ -16,7 +16,7 @@ sharded step equals the one-process step bit for bit (docs/design.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -40,7 +40,12 @@ from .elementwise import (
 from .newton_schulz import NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2, normuon_orthogonalize, pack, unpack
 
-__all__ = ["MuonHyper", "adamw_step", "muon_step"]
+__all__ = ["Orthogonalize", "MuonHyper", "adamw_step", "muon_step", "resolve_orthogonalize"]
+
+# Same-shape full matrices and the group's config -> their results: the one signature every way to
+# orthogonalize takes (``newton_schulz.orthogonalize``, Gram through ``config.algorithm``, a
+# user's or a test's reference); NorMuon wraps it (``resolve_orthogonalize``).
+Orthogonalize = Callable[[Sequence[Tensor], NSConfig], list[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -72,16 +77,17 @@ def muon_step(
     stats: CommStats | None = None,
     *,
     second_moments: Sequence[Tensor] | None = None,
+    compute: Callable[[Sequence[Tensor]], list[Tensor]] | None = None,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place; with
     ``hyper.normuon``, also the local NorMuon ``second_moments`` (a column, or none on the ranks that
-    do not hold the parameter's column 0), and the domains' views have their ``lead`` columns."""
+    do not hold the parameter's column 0), and the domains' views have their ``lead`` columns.
+    ``compute``: what an owner runs on a batch of full matrices (``resolve_orthogonalize``)."""
     ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
-    compute = partial(orthogonalize, config=config)
+    compute = compute or resolve_orthogonalize(hyper, config)
     if hyper.normuon:
         assert second_moments is not None, "a NorMuon step needs its second moments"
         ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]
-        compute = partial(normuon_orthogonalize, config=config, beta2=hyper.beta2)
     assembled = _update_buffers(params, domains)
     for domain in domains:
         pairs = list(domain.members)
@@ -102,6 +108,16 @@ def muon_step(
     apply_updates(
         [params[i] for i in mine], list(assembled.values()), lr=hyper.lr, weight_decay=hyper.weight_decay
     )
+
+
+def resolve_orthogonalize(
+    hyper: MuonHyper, config: NSConfig, base: Orthogonalize = orthogonalize
+) -> Callable[[Sequence[Tensor]], list[Tensor]]:
+    """A group's one orthogonalizer: ``base`` bound to its config, inside NorMuon's row
+    normalization where the group asks for it. Resolved once per group and step."""
+    if hyper.normuon:
+        return partial(normuon_orthogonalize, config=config, beta2=hyper.beta2, base=base)
+    return partial(base, config=config)
 
 
 def _update_buffers(params: Sequence[Tensor], domains: Sequence[Domain]) -> dict[int, Tensor]:

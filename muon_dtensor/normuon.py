@@ -25,7 +25,7 @@ batch (docs/design.md, "Why a sharded step is exactly ...").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -87,14 +87,20 @@ def normuon_rows(o: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
     return v_new, u
 
 
-def normuon_orthogonalize(matrices: Sequence[Tensor], config: NSConfig, *, beta2: float) -> list[Tensor]:
+def normuon_orthogonalize(
+    matrices: Sequence[Tensor],
+    config: NSConfig,
+    *,
+    beta2: float,
+    base: Callable[[Sequence[Tensor], NSConfig], list[Tensor]] = orthogonalize,
+) -> list[Tensor]:
     """The owner's compute for NorMuon: same-shape full matrices ``[m, width + n]`` (the packed ``v``,
     then the Newton-Schulz input) to ``[m, width + n]`` (the packed new ``v``, then ``U``), in
-    ``config.dtype``."""
+    ``config.dtype``; ``base`` orthogonalizes the inputs."""
     width = packed_width(config.dtype)
     inputs = [m[:, width:].contiguous() for m in matrices]
     out = []
-    for full, o in zip(matrices, orthogonalize(inputs, config)):
+    for full, o in zip(matrices, base(inputs, config)):
         v, u = normuon_rows(o, unpack(full[:, :width]), beta2)
         out.append(torch.cat([pack(v, config.dtype), u.to(config.dtype)], dim=-1))
     return out

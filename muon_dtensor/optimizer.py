@@ -11,15 +11,17 @@ from torch.distributed import ProcessGroup
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import agreement, validation
+from ._docs import MUON_ARGS
 from ._sharding.comm import CommStats
 from ._sharding.domains import ViewOptions
-from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
+from ._sharding.param_layout import local_grad, local_of
 from ._sharding.plan import DEFAULT_ROUND_BYTES
-from .functional import MuonHyper, adamw_step, muon_step
-from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig
+from .functional import MuonHyper, Orthogonalize, adamw_step, muon_step, resolve_orthogonalize
+from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2
-from .policy import SplitPolicy, node_size
+from .policy import split_policy
 from .sharding import GroupSharding
+from .state import SECOND_MOMENT, follow_replaced, init_state, settle_loaded
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
@@ -30,7 +32,6 @@ _TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps ad
 _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
 # NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
 _NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
-_SECOND = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
 
 
 class Muon(Optimizer):
@@ -45,50 +46,7 @@ class Muon(Optimizer):
 
     On DTensors each full matrix is assembled on one owner rank, orthogonalized there and sent back
     in pieces; the result equals the one-process step bit for bit. AdamW groups follow torch.optim.AdamW.
-
-    Args:
-        params: parameters, named parameters or param groups. A group may set ``"algorithm"`` to
-            ``"muon"`` (default) or ``"adamw"``; AdamW groups take ``lr, betas, eps, weight_decay``
-            with torch.optim.AdamW's meaning and defaults (``ADAMW_DEFAULTS``).
-        lr: learning rate (default: 1e-3).
-        weight_decay: decoupled weight decay, tied to lr (default: 0.1).
-        momentum: momentum factor (default: 0.95).
-        nesterov: Nesterov momentum (default: True).
-        ns_coefficients: (a, b, c) for every iteration, a list of per-iteration triples, or a preset
-            name: "keller", "you", "polar_express" (default: (3.4445, -4.7750, 2.0315)).
-        eps: floor of the norm the Newton-Schulz input is divided by (default: 1e-7).
-        ns_steps: Newton-Schulz iterations (default: 5).
-        adjust_lr_fn: None or "original" (sqrt(max(1, rows/cols))), "match_rms_adamw"
-            (0.2 sqrt(max(rows, cols))), "spectral" (sqrt(rows/cols)), or a number r, the update
-            RMS to match (r sqrt(max(rows, cols))); from the global shape (default: None).
-        ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
-        ns_algorithm: "standard" (torch's iteration; default) or "gram" (the same polynomial on the
-            small Gram matrix, with restarts; it runs where it needs fewer flops, with 5 steps on
-            matrices whose long side is over 1.5x the short one, the others run "standard").
-        mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
-            "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
-        process_group: the ranks that hold replicated plain parameters (DDP); they split the
-            Newton-Schulz work. Without it plain tensors are stepped locally.
-        max_round_bytes: bytes of full matrices one pipelined exchange round carries, at least one
-            matrix per rank; None: one round (default: 4 MiB, docs/benchmarks.md).
-        owners: for parameters a mesh both shards and replicates (HSDP): "mesh" (each matrix
-            orthogonalized once among all ranks of the mesh, results sent to every replica),
-            "replica" (once in every replica group, no traffic between replicas) or "auto" (the
-            cost model picks per mesh; default). Also a per-group key.
-        ns_split: "off" (default), "auto" or a rank count k: run a matrix's Newton-Schulz over
-            several ranks of its exchange group (``muon_dtensor.split_ns``), where the cost model
-            says it pays ("auto") or for every matrix over min(k, group size) ranks. The one
-            option under which a sharded step is not bitwise the one-process step: it equals
-            ``split_orthogonalize`` bitwise and the unsplit iteration within bf16 rounding
-            (docs/design.md). Standard iteration, owner mode, no NorMuon. Also a per-group key.
-
-    Per-group options beyond torch's: ``"flatten": True`` treats a conv weight ``(out, in, *k)`` as
-    one ``(out, in*prod(k))`` matrix; ``"experts": True`` treats a 3-D ``[E, m, n]`` parameter as E
-    matrices; ``"split_sizes": [...]`` orthogonalizes row blocks separately (fused q, k, v);
-    ``"head_dim": d`` orthogonalizes each head's block of d rows separately (within each split);
-    ``"normuon": True`` normalizes each row of the orthogonalized update by a running second moment
-    (NorMuon, arXiv 2510.05491; decay ``"beta2"``, default 0.95; state ``"second_momentum_buffer"``),
-    computed exactly on the owner of the whole matrix (``muon_dtensor.normuon``).
+    (Args: ``muon_dtensor._docs.MUON_ARGS``, appended below.)
     """
 
     def __init__(
@@ -110,6 +68,7 @@ class Muon(Optimizer):
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
         owners: str = "auto",
         ns_split: str | int = "off",
+        orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
@@ -125,6 +84,7 @@ class Muon(Optimizer):
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
         self._process_group = process_group
+        self._orthogonalize = orthogonalize_fn
         self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
         self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
         self.comm_stats = CommStats()
@@ -144,44 +104,18 @@ class Muon(Optimizer):
             self.param_groups.pop()
             raise
         for p in group["params"]:
-            self._init_state(group, p)
+            init_state(self.state, group, p)
         self._params[index] = list(group["params"])
 
-    def _follow_replaced_params(self) -> None:
-        """Parameters replaced in place in ``param_groups`` (accelerate and HF Trainer swap in the
-        DTensors ``fully_shard`` made) take over their predecessors' state, laid out like them."""
-        for index, group in enumerate(self.param_groups):
-            for old, new in zip(self._params.get(index, []), group["params"]):
-                if old is not new and old in self.state and new not in self.state:
-                    self.state[new] = {k: relayout(v, old, new) for k, v in self.state.pop(old).items()}
-            self._params[index] = list(group["params"])
-
     def state_dict(self) -> dict[str, Any]:
-        self._follow_replaced_params()
+        follow_replaced(self.state, self.param_groups, self._params)
         return super().state_dict()
-
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> None:
-        """Create state eagerly, so every rank has the same keys even before the first step and a
-        checkpoint at step 0 (or of a parameter that never got a gradient) is complete."""
-        keys = ("momentum_buffer",) if group["algorithm"] == "muon" else ("exp_avg", "exp_avg_sq")
-        state = self.state[p]
-        if group["algorithm"] == "adamw" and "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in keys:
-            if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if group["algorithm"] == "muon" and group.get("normuon", False) and _SECOND not in state:
-            state[_SECOND] = row_state_zeros(p)  # one value per row, laid out with p
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
         ``__init__``); layouts and plans stay, since the parameters are the same objects."""
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._init_state(group, p)
-                if "step" in self.state[p]:  # a counter saved on a device comes back to the host
-                    self.state[p]["step"] = self.state[p]["step"].detach().to("cpu", torch.float32)
+        settle_loaded(self.state, self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -189,7 +123,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._follow_replaced_params()
+        follow_replaced(self.state, self.param_groups, self._params)
         configs = [validation.check_group(g) for g in self.param_groups]
         agreement.agree(self.param_groups, self._process_group)  # before any other collective
         shardings = [
@@ -199,7 +133,7 @@ class Muon(Optimizer):
         for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
             params = [group["params"][i] for i in todo]
             for p in params:
-                self._init_state(group, p)
+                init_state(self.state, group, p)
             if sharding is None:
                 self._adamw_step(group, params)
             elif config is not None and todo:
@@ -214,8 +148,8 @@ class Muon(Optimizer):
         if index not in self._shardings or self._shardings[index][0] != key:
             names = validation.param_names(group, index)
             for p in group["params"]:  # NorMuon switched on after construction: its state first
-                self._init_state(group, p)
-            seconds = [self.state[p].get(_SECOND) for p in group["params"]]
+                init_state(self.state, group, p)
+            seconds = [self.state[p].get(SECOND_MOMENT) for p in group["params"]]
             sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners, seconds)
             self._shardings[index] = key, sharding
         return self._shardings[index][1]
@@ -228,21 +162,15 @@ class Muon(Optimizer):
             [local_of(p) for p in params],
             [local_grad(p) for p in params],
             [local_of(self.state[p]["momentum_buffer"]) for p in params],
-            sharding.domains(todo, group["mode"], group["max_round_bytes"], self._split_policy(group)),
+            sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group)),
             MuonHyper.of(group),
             config,
             self.comm_stats,
-            second_moments=[local_of(self.state[p][_SECOND]) for p in params]
+            second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
             if group.get("normuon")
             else None,
+            compute=resolve_orthogonalize(MuonHyper.of(group), config, self._orthogonalize),
         )
-
-    def _split_policy(self, group: dict[str, Any]) -> SplitPolicy:
-        """``ns_split`` of a Muon group, with this job's node size for ``"auto"``'s cost model."""
-        if group.get("ns_split", "off") != "auto":
-            return SplitPolicy.of(group, 1)
-        device = group["params"][0].device.type if group["params"] else "cpu"
-        return SplitPolicy.of(group, node_size(device))
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         states = [self.state[p] for p in params]
@@ -254,3 +182,7 @@ class Muon(Optimizer):
             [s["step"] for s in states],
             **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
         )
+
+
+assert Muon.__doc__ is not None
+Muon.__doc__ += MUON_ARGS

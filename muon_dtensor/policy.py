@@ -36,7 +36,7 @@ from .planning.costmodel import compare_owners
 from .planning.hardware import Hardware
 from .planning.split import plan_splits
 
-__all__ = ["SplitPolicy", "node_size", "owner_meshes"]
+__all__ = ["SplitPolicy", "node_size", "owner_meshes", "split_policy"]
 
 
 def node_size(device_type: str) -> int:
@@ -120,3 +120,11 @@ class SplitPolicy:
         hw = Hardware.h200(gpus_per_node=self.node_size)
         plan = plan_splits(shapes, group_size, hw, ns_steps=self.ns_steps, itemsize=self.itemsize)
         return list(plan.ks)
+
+
+def split_policy(group: Mapping[str, Any]) -> SplitPolicy:
+    """A Muon group's ``ns_split`` policy, with this job's node size for ``"auto"``'s cost model."""
+    if group.get("ns_split", "off") != "auto":
+        return SplitPolicy.of(group, 1)
+    device = group["params"][0].device.type if group["params"] else "cpu"
+    return SplitPolicy.of(group, node_size(device))

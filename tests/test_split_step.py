@@ -7,8 +7,7 @@ one-process step it differs within bfloat16 rounding (tests/test_split_ns.py sta
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -17,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 
-import muon_dtensor.functional as functional
 from muon_dtensor import Muon
 from muon_dtensor.newton_schulz import NSConfig, orthogonalize
 from muon_dtensor.split_ns import split_orthogonalize
@@ -49,9 +47,8 @@ def _k(shape: Sequence[int], k: int, group: int) -> int:
     return k if k > 1 and max(shape) >= k else 1
 
 
-@contextlib.contextmanager
-def split_reference(k: int, group: int) -> Iterator[None]:
-    """The one-process optimizer with ``split_orthogonalize`` as its Newton-Schulz."""
+def split_reference(k: int, group: int) -> Callable[[Sequence[Tensor], NSConfig], list[Tensor]]:
+    """``split_orthogonalize`` as the one-process optimizer's ``orthogonalize_fn``."""
 
     def split(mats: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
         return [
@@ -61,12 +58,7 @@ def split_reference(k: int, group: int) -> Iterator[None]:
             for x in mats
         ]
 
-    saved = functional.orthogonalize
-    functional.orthogonalize = split  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        functional.orthogonalize = saved
+    return split
 
 
 def _run(mesh_shape: tuple[int, ...] | None, placements: tuple, steps: int, **kw: Any) -> tuple[list, Muon]:
@@ -83,8 +75,7 @@ def split_exactness(ks: Sequence[int], steps: int = 2) -> dict[str, Any]:
     for name, (mesh_shape, placements, kw) in _layouts(world).items():
         group = world if name in ("hsdp_mesh", "fsdp_tp") or len(mesh_shape) == 1 else 2
         for k in ks:
-            with split_reference(k, group):
-                ref, _ = _run(None, (), steps)
+            ref, _ = _run(None, (), steps, orthogonalize_fn=split_reference(k, group))
             got, opt = _run(mesh_shape, placements, steps, ns_split=k, **kw)
             stats = torch.tensor([opt.comm_stats.orthogonalized])
             dist.all_reduce(stats)

@@ -1,0 +1,52 @@
+"""The optimizer state's plumbing, outside the ``Muon`` shell: eager state, state that follows a
+parameter swapped for its DTensor, and counters brought back to the host after a load."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._sharding.param_layout import relayout, row_state_zeros
+
+__all__ = ["SECOND_MOMENT", "follow_replaced", "init_state", "settle_loaded"]
+
+SECOND_MOMENT = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
+State = MutableMapping[Tensor, dict[str, Any]]
+
+
+def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> None:
+    """Create ``p``'s missing state eagerly, so every rank has the same keys even before the first
+    step and a checkpoint at step 0 (or of a parameter that never got a gradient) is complete."""
+    muon = group["algorithm"] == "muon"
+    mine = state[p]
+    if not muon and "step" not in mine:
+        mine["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for key in ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq"):
+        if key not in mine:
+            mine[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if muon and group.get("normuon", False) and SECOND_MOMENT not in mine:
+        mine[SECOND_MOMENT] = row_state_zeros(p)  # one value per row, laid out with p
+
+
+def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dict[int, list[Tensor]]) -> None:
+    """Parameters replaced in place in ``groups`` (accelerate and HF Trainer swap in the DTensors
+    ``fully_shard`` made) take over their predecessors' state, laid out like them; ``seen`` holds
+    each group's parameters as last seen and is brought up to date."""
+    for index, group in enumerate(groups):
+        for old, new in zip(seen.get(index, []), group["params"]):
+            if old is not new and old in state and new not in state:
+                state[new] = {k: relayout(v, old, new) for k, v in state.pop(old).items()}
+        seen[index] = list(group["params"])
+
+
+def settle_loaded(state: State, groups: Iterable[Mapping[str, Any]]) -> None:
+    """After torch's ``load_state_dict``: state the checkpoint lacked created again, and AdamW's
+    counters (saved on a device, perhaps) back on the host as float32."""
+    for group in groups:
+        for p in group["params"]:
+            init_state(state, group, p)
+            if "step" in state[p]:
+                state[p]["step"] = state[p]["step"].detach().to("cpu", torch.float32)
