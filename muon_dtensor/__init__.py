@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._sharding.plan import MatrixEntry, Plan, build_plan
-from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz
+from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 from .optimizer import ADAMW_DEFAULTS, Muon
 from .param_groups import split_params
 from .qk_clip import QKClipFactors, qk_clip_, qk_clip_factors
@@ -20,6 +20,7 @@ __all__ = [
     "QKClipFactors",
     "build_plan",
     "newton_schulz",
+    "orthogonalize",
     "qk_clip_",
     "qk_clip_factors",
     "resolve_ns_config",

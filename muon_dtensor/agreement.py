@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._sharding.comm import gather_over_scope, sum_over_scopes
-from .validation import layout_text, param_names
+from .preflight import layout_text, param_names
 
 __all__ = ["AGREED_KEYS", "agree", "scope_entries"]
 

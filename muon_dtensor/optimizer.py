@@ -20,6 +20,7 @@ from .functional import MuonHyper, Orthogonalize, adamw_step, muon_step, resolve
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2
 from .policy import split_policy
+from .preflight import param_names, preflight
 from .sharding import GroupSharding
 from .state import SECOND_MOMENT, follow_replaced, init_state, settle_loaded
 
@@ -99,7 +100,7 @@ class Muon(Optimizer):
             validation.check_flags(group, index)
             if validation.check_group(group) is not None:
                 group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
-            validation.check_params(group, validation.param_names(group, index))
+            validation.check_params(group, param_names(group, index))
         except Exception:
             self.param_groups.pop()
             raise
@@ -129,7 +130,7 @@ class Muon(Optimizer):
         shardings = [
             self._sharding(i, g) if c else None for i, (g, c) in enumerate(zip(self.param_groups, configs))
         ]
-        work = validation.preflight(self.param_groups, self._process_group)
+        work = preflight(self.param_groups, self._process_group)
         for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
             params = [group["params"][i] for i in todo]
             for p in params:
@@ -146,7 +147,7 @@ class Muon(Optimizer):
         owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
         key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
         if index not in self._shardings or self._shardings[index][0] != key:
-            names = validation.param_names(group, index)
+            names = param_names(group, index)
             for p in group["params"]:  # NorMuon switched on after construction: its state first
                 init_state(self.state, group, p)
             seconds = [self.state[p].get(SECOND_MOMENT) for p in group["params"]]

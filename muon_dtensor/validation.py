@@ -1,15 +1,13 @@
-"""Every input check, once. Local checks depend only on metadata every rank shares (hyperparameters,
-global shapes, placements), so every rank raises the same error with no communication. Checks that
-depend on per-rank data (is there a gradient, is it sparse, is it laid out like its parameter) go
-through one small all-reduce, the preflight, before any other collective of a step; then every rank
-raises. Messages are torch.optim's where torch has the same check.
+"""Every local input check, once. They depend only on metadata every rank shares (hyperparameters,
+global shapes, placements), so every rank raises the same error with no communication. Checks of
+per-rank data are the preflight's (``preflight.py``). Messages are torch.optim's where torch has the
+same check.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +15,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._compat import _StridedShard
-from ._sharding.comm import sum_over_scopes
-from ._sharding.param_layout import check_placements, same_layout
+from ._sharding.param_layout import check_placements
 from ._sharding.plan import MODES, check_mode
 from .elementwise import ADJUST_LR
 from .newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
@@ -26,7 +23,6 @@ from .newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
 __all__ = [
     "MODES",
     "OWNERS",
-    "PreflightItem",
     "check_adamw_group",
     "check_algorithm",
     "check_flags",
@@ -35,10 +31,7 @@ __all__ = [
     "check_muon_group",
     "check_owners",
     "check_params",
-    "layout_text",
     "ns_dtype_name",
-    "param_names",
-    "preflight",
     "resolve_ns_config",
 ]
 
@@ -300,99 +293,3 @@ def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None
             "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
             "put the parameter in a group without 'normuon'"
         )
-
-
-@dataclass(frozen=True)
-class PreflightItem:
-    name: str
-    param: Tensor
-    grad: Tensor | None
-    # Who must agree on this parameter's gradient: a DeviceMesh, a ProcessGroup (DDP), or None.
-    scope: Any = None
-
-
-# Columns of the preflight count matrix, summed over ranks.
-_PRESENT, _SPARSE, _MISLAID = 0, 1, 2
-
-
-def _local_flags(items: Sequence[PreflightItem]) -> Tensor:
-    """Per item (present, sparse, mislaid) as 0/1: built as Python data, one tensor at the end."""
-    rows = []
-    for item in items:
-        grad = item.grad
-        sparse = grad is not None and grad.is_sparse
-        mislaid = grad is not None and not sparse and not same_layout(item.param, grad)
-        rows.append((int(grad is not None), int(sparse), int(mislaid)))
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(items), 3)
-
-
-def layout_text(t: Tensor | None) -> str:
-    if isinstance(t, DTensor):
-        return f"DTensor {tuple(t.shape)} {tuple(t.placements)}"
-    return "None" if t is None else f"plain tensor {tuple(t.shape)}"
-
-
-def _raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
-    present, sparse, mislaid = (int(v) for v in row)
-    where = f"on {{}} of {ranks} rank(s)"
-    if sparse:
-        raise RuntimeError(
-            f"Muon does not support sparse gradients: '{item.name}' has one {where.format(sparse)}; "
-            "use a dense gradient (e.g. nn.Embedding(sparse=False))"
-        )
-    if mislaid:
-        raise ValueError(
-            f"the gradient of '{item.name}' is not laid out like the parameter "
-            f"{where.format(mislaid)} (parameter: {layout_text(item.param)}, gradient here: "
-            f"{layout_text(item.grad)}); reduce or redistribute the gradient to the parameter's "
-            "placements before step() (a Partial gradient must be reduced first)"
-        )
-    if item.scope is not None and 0 < present < ranks:
-        raise RuntimeError(
-            f"'{item.name}' has a gradient {where.format(present)}; a sharded parameter needs a "
-            "gradient on every rank or on none. Make every rank run the same forward and backward, "
-            "or zero_grad(set_to_none=False) so missing gradients become zeros everywhere"
-        )
-
-
-def _present(items: Sequence[PreflightItem]) -> list[bool]:
-    flags = _local_flags(items)
-    scopes = list(dict.fromkeys(item.scope for item in items if item.scope is not None))
-    # Host-side counts, read once as Python lists (the sums never touch a device stream).
-    totals = [(summed.tolist(), size) for summed, size in sum_over_scopes(flags, scopes)]
-    where = {scope: k for k, scope in enumerate(scopes)}
-    mine = flags.tolist()
-    widest = max((size for _, size in totals), default=1)
-    present: list[bool] = []
-    for i, item in enumerate(items):
-        if item.scope is not None:
-            rows, ranks = totals[where[item.scope]]
-            row = rows[i]
-        else:  # a parameter no collective involves still must not fail on one rank alone
-            bad = [max([mine[i][c], *(rows[i][c] for rows, _ in totals)]) for c in (_SPARSE, _MISLAID)]
-            row, ranks = [mine[i][_PRESENT], *bad], widest
-        _raise_for(item, row, ranks)
-        present.append(row[_PRESENT] > 0)
-    return present
-
-
-def param_names(group: Mapping[str, Any], index: int) -> list[str]:
-    """The names errors use: a group's ``param_names`` (FQNs from named parameters), or positions."""
-    if "param_names" in group:
-        return list(group["param_names"])
-    return [f"param_groups[{index}]['params'][{i}]" for i in range(len(group["params"]))]
-
-
-def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> list[list[int]]:
-    """Check every parameter on every rank; return, per group, the indices of the parameters with a
-    gradient to apply. Who must agree about a gradient: its mesh, the DDP group (Muon groups), or
-    nobody. One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank
-    facts; then all ranks decide the same way, and raise on every rank if any rank's input is bad."""
-    items = [
-        PreflightItem(name, p, p.grad, p.device_mesh if isinstance(p, DTensor) else ddp)
-        for index, group in enumerate(groups)
-        for ddp in [ddp_group if group["algorithm"] == "muon" else None]
-        for p, name in zip(group["params"], param_names(group, index))
-    ]
-    present = iter(_present(items))
-    return [[i for i in range(len(group["params"])) if next(present)] for group in groups]

@@ -13,7 +13,7 @@ accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)`
 after the resume is the momentum at the save, bit for bit, and the resumed run ends where the
 uninterrupted one ends, bit for bit.
 
-Each run is a fresh ``muon_dtensor.demo.launch.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
+Each run is a fresh ``muon_dtensor.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
 etc. from the environment and keeps process-wide state. Skipped without transformers/accelerate.
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor.demo.launch import run_ranks
+from muon_dtensor.testing import run_ranks
 from tests.models import full
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def test_trainer_fsdp2_resumes_momentum_and_run_exactly(tmp_path: Path) -> None:
             assert straight["losses"][-1] < straight["losses"][0], straight["losses"]
 
 
-# Rank functions (fresh processes, muon_dtensor.demo.launch).
+# Rank functions (fresh processes, muon_dtensor.testing).
 
 
 class MuonFactory:

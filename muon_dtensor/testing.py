@@ -1,6 +1,5 @@
-"""Run a function on N local ranks in fresh processes, with a timeout, judged through files.
-
-Used by the demo, the benchmarks and the tests.
+"""A testing utility: run a function on N local ranks in fresh processes, with a timeout, judged
+through files. The tests, the benchmarks and the demo launch their ranks with it.
 
 Each rank runs ``module:function(*args)`` and pickles ``("ok", value)`` or ``("error", traceback)``
 to its own file, then leaves with ``os._exit`` so no gloo destructor runs. gloo can abort a process
@@ -41,7 +40,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "muon_dtensor.demo.launch", spec, str(rank), str(world_size), tmp],
+                [sys.executable, "-m", "muon_dtensor.testing", spec, str(rank), str(world_size), tmp],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=logs[rank],

@@ -1,0 +1,114 @@
+"""The preflight: checks that depend on per-rank data (is there a gradient, is it sparse, is it laid
+out like its parameter) go through one small all-reduce before any other collective of a step, so
+every rank raises the same error, naming the parameter, before any data moves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ._sharding.comm import sum_over_scopes
+from ._sharding.param_layout import same_layout
+
+__all__ = ["PreflightItem", "layout_text", "param_names", "preflight"]
+
+
+@dataclass(frozen=True)
+class PreflightItem:
+    name: str
+    param: Tensor
+    grad: Tensor | None
+    # Who must agree on this parameter's gradient: a DeviceMesh, a ProcessGroup (DDP), or None.
+    scope: Any = None
+
+
+# Columns of the preflight count matrix, summed over ranks.
+_PRESENT, _SPARSE, _MISLAID = 0, 1, 2
+
+
+def _local_flags(items: Sequence[PreflightItem]) -> Tensor:
+    """Per item (present, sparse, mislaid) as 0/1: built as Python data, one tensor at the end."""
+    rows = []
+    for item in items:
+        grad = item.grad
+        sparse = grad is not None and grad.is_sparse
+        mislaid = grad is not None and not sparse and not same_layout(item.param, grad)
+        rows.append((int(grad is not None), int(sparse), int(mislaid)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(items), 3)
+
+
+def layout_text(t: Tensor | None) -> str:
+    if isinstance(t, DTensor):
+        return f"DTensor {tuple(t.shape)} {tuple(t.placements)}"
+    return "None" if t is None else f"plain tensor {tuple(t.shape)}"
+
+
+def _raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
+    present, sparse, mislaid = (int(v) for v in row)
+    where = f"on {{}} of {ranks} rank(s)"
+    if sparse:
+        raise RuntimeError(
+            f"Muon does not support sparse gradients: '{item.name}' has one {where.format(sparse)}; "
+            "use a dense gradient (e.g. nn.Embedding(sparse=False))"
+        )
+    if mislaid:
+        raise ValueError(
+            f"the gradient of '{item.name}' is not laid out like the parameter "
+            f"{where.format(mislaid)} (parameter: {layout_text(item.param)}, gradient here: "
+            f"{layout_text(item.grad)}); reduce or redistribute the gradient to the parameter's "
+            "placements before step() (a Partial gradient must be reduced first)"
+        )
+    if item.scope is not None and 0 < present < ranks:
+        raise RuntimeError(
+            f"'{item.name}' has a gradient {where.format(present)}; a sharded parameter needs a "
+            "gradient on every rank or on none. Make every rank run the same forward and backward, "
+            "or zero_grad(set_to_none=False) so missing gradients become zeros everywhere"
+        )
+
+
+def _present(items: Sequence[PreflightItem]) -> list[bool]:
+    flags = _local_flags(items)
+    scopes = list(dict.fromkeys(item.scope for item in items if item.scope is not None))
+    # Host-side counts, read once as Python lists (the sums never touch a device stream).
+    totals = [(summed.tolist(), size) for summed, size in sum_over_scopes(flags, scopes)]
+    where = {scope: k for k, scope in enumerate(scopes)}
+    mine = flags.tolist()
+    widest = max((size for _, size in totals), default=1)
+    present: list[bool] = []
+    for i, item in enumerate(items):
+        if item.scope is not None:
+            rows, ranks = totals[where[item.scope]]
+            row = rows[i]
+        else:  # a parameter no collective involves still must not fail on one rank alone
+            bad = [max([mine[i][c], *(rows[i][c] for rows, _ in totals)]) for c in (_SPARSE, _MISLAID)]
+            row, ranks = [mine[i][_PRESENT], *bad], widest
+        _raise_for(item, row, ranks)
+        present.append(row[_PRESENT] > 0)
+    return present
+
+
+def param_names(group: Mapping[str, Any], index: int) -> list[str]:
+    """The names errors use: a group's ``param_names`` (FQNs from named parameters), or positions."""
+    if "param_names" in group:
+        return list(group["param_names"])
+    return [f"param_groups[{index}]['params'][{i}]" for i in range(len(group["params"]))]
+
+
+def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> list[list[int]]:
+    """Check every parameter on every rank; return, per group, the indices of the parameters with a
+    gradient to apply. Who must agree about a gradient: its mesh, the DDP group (Muon groups), or
+    nobody. One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank
+    facts; then all ranks decide the same way, and raise on every rank if any rank's input is bad."""
+    items = [
+        PreflightItem(name, p, p.grad, p.device_mesh if isinstance(p, DTensor) else ddp)
+        for index, group in enumerate(groups)
+        for ddp in [ddp_group if group["algorithm"] == "muon" else None]
+        for p, name in zip(group["params"], param_names(group, index))
+    ]
+    present = iter(_present(items))
+    return [[i for i in range(len(group["params"])) if next(present)] for group in groups]
