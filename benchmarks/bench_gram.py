@@ -5,7 +5,7 @@ Two tables, one run, one process:
 1. **Speed**: ``newton_schulz`` of one matrix per shape, standard then Gram (``ns_algorithm="gram"``),
    alternating, median of several calls each; the ratio Gram / standard, and the flop ratio
    ``orthogonalize_flops`` predicts. Shapes: every distinct shape of the CPU benchmark sets
-   (``benchmarks/common.py``: default 8 x 512, gpt2, llama) and the issue's Llama-like ones; per
+   (``benchmarks/common.py``: default 8 x 512, gpt2, llama) and Llama-like ones; per
    set, the step's Newton-Schulz time (each shape's median times its count). The dtype is the one
    this CPU runs natively (``muon_dtensor.demo.cpu.probe``, as bench_step.py): bf16, or fp32 where
    bf16 is emulated (the output says so). One torch thread.
@@ -64,7 +64,7 @@ from muon_dtensor.validation import resolve_ns_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 NS_MODULE = importlib.import_module("muon_dtensor.newton_schulz")  # not the function of that name
-# The issue's Llama-like shapes; 2048 x 11059 is where others measured about 2x per call on a GPU.
+# Llama-like shapes; 2048 x 11059 is where others measured about 2x per call on a GPU.
 ISSUE_SHAPES = [(512, 1376), (1024, 2752), (256, 4096), (2048, 11059)]
 ACCURACY_SHAPES = [(512, 1376), (1024, 2752), (256, 4096)]
 # Restart patterns the rule was chosen among (5 bfloat16 steps; restart before these iterations).

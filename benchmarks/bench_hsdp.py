@@ -6,7 +6,7 @@ seeded gradients set once and stepped repeatedly, ``muon_dtensor.Muon(lr=0.02)``
 
 1. FSDP 4: ``Shard(0)`` on a 1-D mesh of 4 ranks (each matrix orthogonalized once);
 2. HSDP 2x2, ``owners="replica"``: ``(Replicate, Shard(0))`` on a (2, 2) mesh, each of the 2
-   replica groups orthogonalizes every matrix (the behaviour before issue 11);
+   replica groups orthogonalizes every matrix (the behaviour before owners over the mesh);
 3. HSDP 2x2, ``owners="mesh"``: the same layout, each matrix orthogonalized once over the 4 ranks.
 
 Timed steps alternate between the contenders (1, 2, 3, 1, 2, 3, ...) after each one's warmup, so a
@@ -58,7 +58,7 @@ CONTENDERS: dict[str, tuple[tuple[int, ...], str, str]] = {
     'HSDP 2x2, owners="replica"': ((2, 2), "hsdp", "replica"),
     'HSDP 2x2, owners="mesh"': ((2, 2), "hsdp", "mesh"),
 }
-GOAL = 1.15  # issue 11: HSDP within 1.15x of FSDP's step
+GOAL = 1.15  # goal: HSDP within 1.15x of FSDP's step
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_hsdp.json"
 
 

@@ -46,7 +46,7 @@ from muon_dtensor.planning.costmodel import CURRENT_CPU, Hardware, predict  # no
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "calibrate.json"
 SETS = ["gpt2", "llama"]
-TOLERANCE = 0.25  # issue 6: predicted within 25% of measured
+TOLERANCE = 0.25  # goal: predicted within 25% of measured
 NS_STEPS = 5
 A2A_BYTES = [2**19, 2**22, 2**24]  # sent to the other rank: 0.5, 4 and 16 MiB
 TINY = (4, 4)  # op-overhead probe: matrices this small cost only host time

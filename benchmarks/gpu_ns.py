@@ -1,6 +1,6 @@
 """Batched bf16 Newton-Schulz TFLOP/s on one CUDA GPU, against the measured bf16 matmul peak.
 
-Prepared for an H200 (issue 6, item 5). For each shape it stacks B random matrices, B chosen so
+Prepared for an H200. For each shape it stacks B random matrices, B chosen so
 one call of ``muon_dtensor.newton_schulz.newton_schulz`` (5 Keller iterations, bf16) takes about
 100 ms at the measured peak, and times it eagerly and under ``torch.compile``. Flops are
 ``ns_flops`` (4 m^2 n + 2 m^3 per iteration: X X^T, its square, and the product with X). The
@@ -40,7 +40,7 @@ from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
 
 SHAPES = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (4096, 14336)]
 GOAL_SHAPES = {(4096, 4096), (4096, 14336)}
-GOAL = 0.70  # issue 6: batched NS at >= 70% of the measured matmul peak on 4096-class matrices
+GOAL = 0.70  # goal: batched NS at >= 70% of the measured matmul peak on 4096-class matrices
 PEAK_N = 8192
 NS_STEPS = 5
 # Keep one stack's input under this many bytes; NS holds about 4 such buffers at once (X, A, B, new X).

@@ -10,7 +10,7 @@ FSDP2's ``Shard(0)`` blocks, via ``costmodel.sharded_plan``) and prints, as a ma
   load is at least the j + 1 cheapest of them (j = 1, 2, ...). Still a lower bound, not the optimum;
 - owner traffic per rank (mean, and max over ranks) against 2 S (N-1) / N^2;
 - the cost model's owner step on H200s (``Hardware.h200()``, the code as built), for orientation;
-- **split** (issue 11, ``ns_split="auto"``): ``planning.split.plan_splits``, the largest
+- **split** (``ns_split="auto"``): ``planning.split.plan_splits``, the largest
   matrices' Newton-Schulz over k ranks of a node where that pays: how many matrices are split, the
   busiest rank's Newton-Schulz seconds (Gram exchanges and copies included) without and with splits,
   the split plan's imbalance, and the cost model's step with ``predict(..., split=True)``.
@@ -51,7 +51,7 @@ MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3.1-405b": LLA
 DEFAULT_MODELS = "llama3-8b,llama3-70b"
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 BF16_BYTES = 2
-TARGET = 1.06  # issue 6: plan balance <= 1.06x at 8 and 64 ranks
+TARGET = 1.06  # goal: plan balance <= 1.06x at 8 and 64 ranks
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "plan_balance.json"
 
 

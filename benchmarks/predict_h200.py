@@ -1,22 +1,22 @@
-"""The cost model's Muon step for Llama-3 hidden matrices on H200s (issue 6's goals), with what-ifs.
+"""The cost model's Muon step for Llama-3 hidden matrices on H200s (the package's goals), with what-ifs.
 
 Prints, for Llama-3-8B (and 70B) at the chosen shard-group sizes, the predicted owner-mode step of
 the code as built (multi-tensor elementwise ops, exchange rounds of 4 MiB pipelined with
 Newton-Schulz), the same step in one round (no overlap), gather mode and redundant Newton-Schulz,
-then fused elementwise kernels (not built) and pessimistic hardware figures. Goals (issue 6):
+then fused elementwise kernels (not built) and pessimistic hardware figures. Goals:
 Llama-3-8B <= 130 ms on 8 H200s and <= 25 ms on 64; redundant Newton-Schulz is about 843 ms at any
 size. For one model and layout at a time, ``python -m muon_dtensor plan`` prints the same model.
 
-HSDP (issue 11): for each ``--hsdp`` layout (shards x replicas, default 8x8: 64 H200s, a shard
+HSDP: for each ``--hsdp`` layout (shards x replicas, default 8x8: 64 H200s, a shard
 group per node), owners per replica (every replica orthogonalizes every matrix: the step of one
 shard group), owners over the mesh (each matrix once in the mesh, results sent across nodes), the
-choice of ``owners="auto"``, and what-ifs. Goal (issue 11): Llama-3-8B on 8x8 <= 30 ms.
+choice of ``owners="auto"``, and what-ifs. Goal: Llama-3-8B on 8x8 <= 30 ms.
 
-Split (issue 11, ``ns_split="auto"``): every owner-mode row has a twin with the largest
+Split (``ns_split="auto"``): every owner-mode row has a twin with the largest
 matrices' Newton-Schulz run over k ranks of a node where that pays (``predict(..., split=True)``,
 ``planning/split.py``). ``--grid`` prints the table of docs/benchmarks.md section 8: Llama-3-8B,
 70B and 3.1-405B at 8, 64, 256 and 1,024 H200s, FSDP and 8-way shard x R HSDP (owners per replica
-and over the mesh), standard and split. Goals (issue 11): Llama-3-70B at 1,024 <= 40 ms,
+and over the mesh), standard and split. Goals: Llama-3-70B at 1,024 <= 40 ms,
 Llama-3-8B falling with ranks up to 1,024.
 
 Pure arithmetic (muon_dtensor/planning/costmodel.py); no GPU needed. Examples, from the repository root::

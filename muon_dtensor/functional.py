@@ -117,7 +117,7 @@ def resolve_orthogonalize(
     normalization where the group asks for it. Resolved once per group and step."""
     if hyper.normuon:
         return partial(normuon_orthogonalize, config=config, beta2=hyper.beta2, base=base)
-    return partial(base, config=config)
+    return lambda matrices: base(matrices, config)
 
 
 def _update_buffers(params: Sequence[Tensor], domains: Sequence[Domain]) -> dict[int, Tensor]:

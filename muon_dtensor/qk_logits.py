@@ -98,7 +98,7 @@ def causal_max(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 def local_part(t: Tensor) -> Tensor:
-    return t.tolocal_part() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _llama_hook(rec: MaxLogits, name: str) -> Callable[..., None]:

@@ -98,7 +98,7 @@ class GroupSharding:
 
 def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name: str) -> None:
     """NorMuon's state must sit where the views put it: the parameter's local rows, one column on
-    the ranks that hold the parameter's column 0, none elsewhere (as ``Muon._init_state`` makes it)."""
+    the ranks that hold the parameter's column 0, none elsewhere (as ``state.init_state`` makes it)."""
     holds = holds_first_column(layout.blocks[layout.rank])
     want = (*local_of(p).shape[:-1], 1 if holds else 0)
     got = tuple(local_of(v).shape) if v is not None else None

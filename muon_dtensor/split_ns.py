@@ -1,4 +1,4 @@
-"""Newton-Schulz over column blocks: one matrix's iteration shared by k ranks (issue 11, item 2).
+"""Newton-Schulz over column blocks: one matrix's iteration shared by k ranks.
 
 Pure math, no process group. The wide form ``X = [X_1 .. X_k]`` (rows <= cols; a tall matrix is
 transposed first, so its blocks are row blocks of the original) is cut into k column blocks, one per

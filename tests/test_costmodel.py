@@ -71,7 +71,7 @@ def test_owner_step_is_monotonic_in_world_size() -> None:
 def test_redundant_newton_schulz_does_not_depend_on_world_size() -> None:
     times = {predict(LLAMA3_8B, n, mode="redundant").total for n in (1, 8, 64, 1024)}
     assert len(times) == 1
-    # The figure: ~666 TFLOP at the default 790 TFLOP/s is ~843 ms.
+    # Five iterations on every hidden matrix of Llama-3-8B: ~666 TFLOP at the default 790 TFLOP/s is ~843 ms.
     assert times.pop() == pytest.approx(0.843, rel=0.01)
 
 

@@ -1,4 +1,4 @@
-"""Per-head orthogonalization (issue 12): ``"head_dim": d`` orthogonalizes each head's block of d
+"""Per-head orthogonalization: ``"head_dim": d`` orthogonalizes each head's block of d
 rows on its own, alone or within the row blocks of ``split_sizes`` (a fused q, k, v). A parameter
 stepped that way equals, bit for bit, its heads stepped as separate parameters, in one process and
 under every layout."""

@@ -1,4 +1,4 @@
-"""A steady step never waits for the device (issue 11): no ``.item()``, ``.cpu()``, ``.tolist()``,
+"""A steady step never waits for the device: no ``.item()``, ``.cpu()``, ``.tolist()``,
 ``bool()``/``float()``/``int()`` on a parameter's, gradient's or state's local tensor, on anything
 computed from them, or on the exchange buffers; and the preflight's and agreement's integer sums
 stay on the host (no ``.to(device)``/``.cpu()`` round trip) when the groups have a CPU backend.

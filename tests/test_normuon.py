@@ -1,4 +1,4 @@
-"""NorMuon (issue 12): each row of the orthogonalized update normalized by a running second moment.
+"""NorMuon: each row of the orthogonalized update normalized by a running second moment.
 
 The row statistics need whole rows, so they run on the owner rank that assembles the whole matrix:
 the sharded step equals the one-process step bit for bit on every layout, second moment included

@@ -1,4 +1,4 @@
-"""NorMuon's state (issue 12): the second moment follows parameters swapped for DTensors, saves and
+"""NorMuon's state: the second moment follows parameters swapped for DTensors, saves and
 loads through DCP on another world size bit for bit, and bad options or layouts are refused with an
 error that names the parameter. The maths and its exactness under sharding: tests/test_normuon.py.
 """

@@ -1,4 +1,4 @@
-"""``ns_split``: a matrix's Newton-Schulz over several ranks, in the optimizer's step (issue 11).
+"""``ns_split``: a matrix's Newton-Schulz over several ranks, in the optimizer's step.
 
 A split step equals, bitwise, the one-process step whose Newton-Schulz is ``split_orthogonalize``
 (the same column blocks, the same sums in the same order), on every layout; against the unsplit

@@ -1,4 +1,4 @@
-"""Update-scale modes beyond torch's two (issue 12): ``adjust_lr_fn="spectral"`` and a number, the
+"""Update-scale modes beyond torch's two: ``adjust_lr_fn="spectral"`` and a number, the
 update RMS to match, each checked against its formula on exactly orthogonal matrices, from the
 global shape (a sharded step equals one process), with clear errors for bad values."""
 

@@ -1,4 +1,4 @@
-"""Owners over the whole mesh for parameters with replicas (HSDP; issue 11, item 1).
+"""Owners over the whole mesh for parameters with replicas (HSDP).
 
 Before, each replica group planned and orthogonalized every matrix on its own: on R replicas of S
 shards, R times the Newton-Schulz work of the mesh. With ``owners="mesh"`` the plan picks one owner

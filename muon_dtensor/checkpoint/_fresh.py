@@ -17,6 +17,7 @@ from typing import Any
 from torch.optim import Optimizer
 
 from ..optimizer import Muon
+from ..state import init_state
 
 __all__ = [
     "FRESH_HINT",
@@ -58,7 +59,7 @@ def start_fresh(optimizer: Optimizer) -> None:
     if isinstance(optimizer, Muon):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                optimizer._init_state(group, p)
+                init_state(optimizer.state, group, p)
 
 
 def unwrapped_param_names(optim_sd: dict[str, Any]) -> None:

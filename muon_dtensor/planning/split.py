@@ -1,4 +1,4 @@
-"""Which matrices to split, over how many ranks, and the owner loads that result (issue 11, item 2).
+"""Which matrices to split, over how many ranks, and the owner loads that result.
 
 A split runs one matrix's Newton-Schulz over k ranks (``split_ns.py``, in the step as ``ns_split``):
 each rank holds a column block of the wide form (m <= n) and, per iteration, computes its partial
