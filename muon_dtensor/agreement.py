@@ -1,6 +1,7 @@
 """The agreement: before any other collective of a step, the ranks of every mesh (and of the DDP
 group) check that they built the optimizer alike, so a difference is an error on every rank that
-names the field, never a silent divergence (docs/unsupported.md lists what is compared).
+names the field, never a silent divergence (docs/unsupported.md lists what is compared). This module
+makes the digests and explains a difference; ``step_checks.py`` sums them with the preflight's flags.
 """
 
 from __future__ import annotations
@@ -9,14 +10,21 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ._sharding.comm import gather_over_scope, sum_over_scopes
 from .preflight import layout_text, param_names
 
-__all__ = ["AGREED_KEYS", "agree", "scope_entries"]
+__all__ = [
+    "AGREED_KEYS",
+    "Entry",
+    "all_params",
+    "digest_pieces",
+    "explain",
+    "plain",
+    "scope_entries",
+    "settings_of",
+]
 
 # What every rank of a mesh (or DDP group) must share for the sharded step to be the one-process
 # step: the settings that decide the plan or the maths, and each parameter's name, shape and layout
@@ -29,12 +37,13 @@ AGREED_KEYS = (
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 
 
-def _plain(value: Any) -> Any:
-    """A setting as comparable plain data (a tensor lr as its float, sequences as tuples)."""
+def plain(value: Any) -> Any:
+    """A setting as comparable plain data (a tensor lr as its float, sequences as tuples); never
+    raises, so a bad value is compared before any check of it runs."""
     if isinstance(value, Tensor):
-        return float(value)
+        return float(value) if value.numel() == 1 else repr(value)
     if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain(v) for v in value)
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
@@ -44,7 +53,7 @@ def scope_entries(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) ->
     out: dict[Any, list[Entry]] = {}
     for index, group in enumerate(groups):
         ddp = ddp_group if group["algorithm"] == "muon" else None
-        settings = tuple((k, _plain(group[k])) for k in AGREED_KEYS if k in group)
+        settings = settings_of(group)
         params: dict[Any, list[tuple[str, str]]] = {}
         for p, name in zip(group["params"], param_names(group, index)):
             scope = p.device_mesh if isinstance(p, DTensor) else ddp
@@ -55,7 +64,7 @@ def scope_entries(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) ->
     return out
 
 
-def _all_params(groups: Sequence[Mapping[str, Any]]) -> Entry:
+def all_params(groups: Sequence[Mapping[str, Any]]) -> Entry:
     """Every parameter in order: the preflight's table rows, which must line up on every rank."""
     named = [
         (n, layout_text(p)) for i, g in enumerate(groups) for p, n in zip(g["params"], param_names(g, i))
@@ -63,28 +72,18 @@ def _all_params(groups: Sequence[Mapping[str, Any]]) -> Entry:
     return (-1, (), tuple(named))
 
 
-def _chunks(entries: list[Entry]) -> list[int]:
-    """A 63-bit digest of ``entries`` in three 21-bit pieces: sums over 2^20 ranks stay exact."""
-    digest = int.from_bytes(hashlib.blake2b(repr(entries).encode(), digest_size=8).digest(), "big") >> 1
+def settings_of(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The agreed settings of a group, as plain data."""
+    return tuple((k, plain(group[k])) for k in AGREED_KEYS if k in group)
+
+
+def digest_pieces(text: str) -> list[int]:
+    """A 63-bit digest of ``text`` in three 21-bit pieces: sums over 2^20 ranks stay exact."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
     return [(digest >> (21 * i)) & ((1 << 21) - 1) for i in range(3)]
 
 
-def agree(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> None:
-    """Raise the same error on every rank of a scope whose ranks disagree about its entries or about
-    the parameter list. One 7-integer all-reduce per mesh axis (per DDP group): all ranks hold the
-    same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces. Scopes go in order of first
-    appearance, so ranks must hold parameters on the same meshes in the same order of groups."""
-    everything = _all_params(groups)
-    for scope, entries in scope_entries(groups, ddp_group).items():
-        mine = [*entries, everything]
-        c = _chunks(mine)
-        row = torch.tensor([1, *c, *(x * x for x in c)], dtype=torch.int64)
-        n, *sums = (int(v) for v in sum_over_scopes(row, [scope])[0][0])
-        if any(n * sq != s * s for s, sq in zip(sums[:3], sums[3:])):
-            _explain(scope, mine, gather_over_scope(mine, scope))
-
-
-def _explain(scope: Any, mine: list[Entry], everyone: dict[int, list[Entry]]) -> None:
+def explain(scope: Any, mine: list[Entry], everyone: dict[int, list[Entry]]) -> None:
     kinds: dict[str, list[int]] = {}
     for rank, theirs in sorted(everyone.items()):
         kinds.setdefault(repr(theirs), []).append(rank)

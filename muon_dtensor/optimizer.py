@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from . import agreement, validation
+from . import validation
 from ._docs import MUON_ARGS
 from ._sharding.comm import CommStats
 from ._sharding.domains import ViewOptions
@@ -20,9 +20,10 @@ from .functional import MuonHyper, Orthogonalize, adamw_step, muon_step, resolve
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2
 from .policy import split_policy
-from .preflight import param_names, preflight
+from .preflight import param_names
 from .sharding import GroupSharding
 from .state import SECOND_MOMENT, follow_replaced, init_state, settle_loaded
+from .step_checks import StepChecks
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
@@ -86,6 +87,7 @@ class Muon(Optimizer):
         validation.check_muon_group(defaults)
         self._process_group = process_group
         self._orthogonalize = orthogonalize_fn
+        self._checks = StepChecks()
         self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
         self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
         self.comm_stats = CommStats()
@@ -125,12 +127,11 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         follow_replaced(self.state, self.param_groups, self._params)
-        configs = [validation.check_group(g) for g in self.param_groups]
-        agreement.agree(self.param_groups, self._process_group)  # before any other collective
+        # agreement, local checks and preflight: one sum per scope, before any other collective
+        configs, work = self._checks.run(self.param_groups, self._process_group)
         shardings = [
             self._sharding(i, g) if c else None for i, (g, c) in enumerate(zip(self.param_groups, configs))
         ]
-        work = preflight(self.param_groups, self._process_group)
         for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
             params = [group["params"][i] for i in todo]
             for p in params:

@@ -1,6 +1,6 @@
 """The preflight: checks that depend on per-rank data (is there a gradient, is it sparse, is it laid
-out like its parameter) go through one small all-reduce before any other collective of a step, so
-every rank raises the same error, naming the parameter, before any data moves."""
+out like its parameter), as flags that ``step_checks.py`` sums over ranks before any other collective
+of a step, so every rank raises the same error, naming the parameter, before any data moves."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ._sharding.comm import sum_over_scopes
 from ._sharding.param_layout import same_layout
 
-__all__ = ["PreflightItem", "layout_text", "param_names", "preflight"]
+__all__ = ["PreflightItem", "layout_text", "local_flags", "param_names", "raise_for"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class PreflightItem:
 _PRESENT, _SPARSE, _MISLAID = 0, 1, 2
 
 
-def _local_flags(items: Sequence[PreflightItem]) -> Tensor:
+def local_flags(items: Sequence[PreflightItem]) -> Tensor:
     """Per item (present, sparse, mislaid) as 0/1: built as Python data, one tensor at the end."""
     rows = []
     for item in items:
@@ -48,7 +47,7 @@ def layout_text(t: Tensor | None) -> str:
     return "None" if t is None else f"plain tensor {tuple(t.shape)}"
 
 
-def _raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
+def raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
     present, sparse, mislaid = (int(v) for v in row)
     where = f"on {{}} of {ranks} rank(s)"
     if sparse:
@@ -71,44 +70,8 @@ def _raise_for(item: PreflightItem, row: Sequence[int], ranks: int) -> None:
         )
 
 
-def _present(items: Sequence[PreflightItem]) -> list[bool]:
-    flags = _local_flags(items)
-    scopes = list(dict.fromkeys(item.scope for item in items if item.scope is not None))
-    # Host-side counts, read once as Python lists (the sums never touch a device stream).
-    totals = [(summed.tolist(), size) for summed, size in sum_over_scopes(flags, scopes)]
-    where = {scope: k for k, scope in enumerate(scopes)}
-    mine = flags.tolist()
-    widest = max((size for _, size in totals), default=1)
-    present: list[bool] = []
-    for i, item in enumerate(items):
-        if item.scope is not None:
-            rows, ranks = totals[where[item.scope]]
-            row = rows[i]
-        else:  # a parameter no collective involves still must not fail on one rank alone
-            bad = [max([mine[i][c], *(rows[i][c] for rows, _ in totals)]) for c in (_SPARSE, _MISLAID)]
-            row, ranks = [mine[i][_PRESENT], *bad], widest
-        _raise_for(item, row, ranks)
-        present.append(row[_PRESENT] > 0)
-    return present
-
-
 def param_names(group: Mapping[str, Any], index: int) -> list[str]:
     """The names errors use: a group's ``param_names`` (FQNs from named parameters), or positions."""
     if "param_names" in group:
         return list(group["param_names"])
     return [f"param_groups[{index}]['params'][{i}]" for i in range(len(group["params"]))]
-
-
-def preflight(groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> list[list[int]]:
-    """Check every parameter on every rank; return, per group, the indices of the parameters with a
-    gradient to apply. Who must agree about a gradient: its mesh, the DDP group (Muon groups), or
-    nobody. One all-reduce per axis of every mesh (and per DDP group) in use shares the per-rank
-    facts; then all ranks decide the same way, and raise on every rank if any rank's input is bad."""
-    items = [
-        PreflightItem(name, p, p.grad, p.device_mesh if isinstance(p, DTensor) else ddp)
-        for index, group in enumerate(groups)
-        for ddp in [ddp_group if group["algorithm"] == "muon" else None]
-        for p, name in zip(group["params"], param_names(group, index))
-    ]
-    present = iter(_present(items))
-    return [[i for i in range(len(group["params"])) if next(present)] for group in groups]

@@ -26,7 +26,7 @@ LAYERS: dict[str, int | str] = {
     "_sharding.comm": COMM, "_sharding.groups": COMM, "_sharding.exchange": COMM,
     "_sharding.split_exchange": COMM,
     "functional": STEP, "optimizer": STEP, "validation": STEP, "preflight": STEP, "agreement": STEP,
-    "policy": STEP, "sharding": STEP, "state": STEP, "param_groups": STEP, "qk_clip": STEP,
+    "policy": STEP, "sharding": STEP, "state": STEP, "step_checks": STEP, "param_groups": STEP, "qk_clip": STEP,
     "qk_logits": STEP, "__init__": STEP,
 }  # fmt: skip
 NAMES = {MATH: "math", PLAN: "plan", COMM: "comm", STEP: "step", TOP: "checkpoint/demo"}

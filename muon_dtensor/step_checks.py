@@ -1,0 +1,183 @@
+"""Everything a step must know before data moves, in one small all-reduce per scope (per mesh axis;
+per DDP group): whether the ranks built the optimizer alike (the agreement's digest), whether any
+rank's values fail the local checks, and which parameters have a gradient, a sparse one or one laid
+out unlike the parameter (the preflight's flags).
+
+The order is what keeps every rank together: the local checks run and are caught, their failure
+travels in the same sum as the digest, and only then does any rank raise, the same error on every
+rank of the scope. A value one rank alone changed after construction is a disagreement; a bad value
+set on every rank is the local check's error, raised everywhere. Scopes reduce in the same order on
+every rank and each carries the failures already learned, so a rank that only shares a later mesh
+with the failing one learns of it too.
+
+What does not change between steady steps is cached by parameter identity and settings: the
+digest, the names and the scopes. A step then rebuilds nothing but the per-rank flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ._sharding.comm import gather_over_scope, sum_over_scopes
+from .agreement import all_params, digest_pieces, explain, scope_entries, settings_of
+from .newton_schulz import NSConfig
+from .preflight import PreflightItem, local_flags, param_names, raise_for
+from .validation import check_group
+
+__all__ = ["StepChecks"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The cached, per-parameter-set part of the checks."""
+
+    scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
+    params: tuple[str, ...]  # per scope: its groups' (name, layout) rows and every parameter's, as text
+    members: tuple[tuple[int, ...], ...]  # per scope: the groups with parameters there
+    names: tuple[tuple[str, ...], ...]  # per group
+    item_scopes: tuple[Any, ...]  # per parameter, in group order
+
+
+class StepChecks:
+    """The agreement, the local checks and the preflight of ``Muon.step``, cached between steps."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._layout: _Layout | None = None
+
+    def run(
+        self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None
+    ) -> tuple[list[NSConfig | None], list[list[int]]]:
+        """Per group its Newton-Schulz config (None for AdamW) and the indices of the parameters
+        with a gradient to apply; raises the same error on every rank of a scope."""
+        layout = self._layout_of(groups, ddp_group)
+        configs, error = _local_checks(groups)
+        items = [
+            PreflightItem(name, p, p.grad, scope)
+            for (p, name), scope in zip(
+                ((p, n) for g, names in zip(groups, layout.names) for p, n in zip(g["params"], names)),
+                layout.item_scopes,
+            )
+        ]
+        flags = local_flags(items)
+        digests = [
+            digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
+            for text, members in zip(layout.params, layout.members)
+        ]
+        totals = _reduce(layout.scopes, digests, flags, error is not None)
+        for k, (row, _) in enumerate(totals):
+            if _disagree(row):
+                _explain(groups, ddp_group, layout.scopes[k])
+        if error is not None or any(row[7] for row, _ in totals):
+            _raise_together(error, layout, totals)
+        present = _present(items, flags.tolist(), layout, totals)
+        it = iter(present)
+        return configs, [[i for i in range(len(g["params"])) if next(it)] for g in groups]
+
+    def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+        key = (
+            id(ddp_group),
+            tuple(
+                (tuple(map(id, g["params"])), tuple(g.get("param_names", ())), g["algorithm"]) for g in groups
+            ),
+        )
+        if key != self._key or self._layout is None:
+            self._layout = _build_layout(groups, ddp_group)
+            self._key = key
+        return self._layout
+
+
+def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+    per_scope = scope_entries(groups, ddp_group)
+    everything = repr(all_params(groups))
+    params = tuple(repr([(i, named) for i, _, named in e]) + everything for e in per_scope.values())
+    members = tuple(tuple(i for i, _, _ in e) for e in per_scope.values())
+    names = tuple(tuple(param_names(g, i)) for i, g in enumerate(groups))
+    item_scopes = tuple(
+        p.device_mesh if isinstance(p, DTensor) else (ddp_group if g["algorithm"] == "muon" else None)
+        for g in groups
+        for p in g["params"]
+    )
+    return _Layout(tuple(per_scope), params, members, names, item_scopes)
+
+
+def _explain(groups: Sequence[Mapping[str, Any]], ddp_group: Any, scope: Any) -> None:
+    """Every rank of ``scope`` saw the digests differ: gather what they are of and name the field."""
+    mine = [*scope_entries(groups, ddp_group)[scope], all_params(groups)]
+    explain(scope, mine, gather_over_scope(mine, scope))
+
+
+def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | None], Exception | None]:
+    """``validation.check_group`` of every group, its first error caught (raised once every rank
+    knows)."""
+    configs: list[NSConfig | None] = []
+    for group in groups:
+        try:
+            configs.append(check_group(group))
+        except Exception as e:  # noqa: BLE001 - any local failure is raised on every rank
+            return configs, e
+    return configs, None
+
+
+def _reduce(
+    scopes: Sequence[Any], digests: Sequence[Sequence[int]], flags: Tensor, failed: bool
+) -> list[tuple[list[int], int]]:
+    """Per scope, in order: [1, digest pieces, their squares, failures] + the flags, summed over
+    the scope, and its rank count. A scope's row carries the failures of the scopes before it."""
+    totals: list[tuple[list[int], int]] = []
+    known = int(failed)
+    for scope, pieces in zip(scopes, digests):
+        head = torch.tensor([1, *pieces, *(x * x for x in pieces), known], dtype=torch.int64)
+        row = torch.cat([head, flags.flatten().to(torch.int64)])
+        ((summed, size),) = sum_over_scopes(row, [scope])
+        values = summed.tolist()
+        known = max(known, int(values[7] > 0))
+        totals.append((values, size))
+    return totals
+
+
+def _disagree(row: Sequence[int]) -> bool:
+    """All ranks hold the same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces."""
+    n, sums, squares = row[0], row[1:4], row[4:7]
+    return any(n * sq != s * s for s, sq in zip(sums, squares))
+
+
+def _raise_together(
+    error: Exception | None, layout: _Layout, totals: Sequence[tuple[list[int], int]]
+) -> None:
+    """A local check failed on some rank: it raises its own error, the others say where to look."""
+    if error is not None:
+        raise error
+    ranks = max((row[7] for row, _ in totals), default=1)
+    raise ValueError(
+        f"the optimizer's settings failed a check on {ranks} other rank(s) of a mesh this rank shares "
+        "(their error names the group and the value); fix the value there, or set it on every rank"
+    )
+
+
+def _present(
+    items: Sequence[PreflightItem],
+    mine: list[list[int]],
+    layout: _Layout,
+    totals: Sequence[tuple[list[int], int]],
+) -> list[bool]:
+    """Raise for a parameter whose gradient is bad on any rank of its scope; which are present."""
+    where = {scope: k for k, scope in enumerate(layout.scopes)}
+    widest = max((size for _, size in totals), default=1)
+    present = []
+    for i, item in enumerate(items):
+        if item.scope is not None:
+            values, ranks = totals[where[item.scope]]
+            row = values[8 + 3 * i : 11 + 3 * i]
+        else:  # a parameter no collective involves still must not fail on one rank alone
+            bad = [max([mine[i][c], *(v[8 + 3 * i + c] for v, _ in totals)]) for c in (1, 2)]
+            row, ranks = [mine[i][0], *bad], widest
+        raise_for(item, row, ranks)
+        present.append(row[0] > 0)
+    return present
