@@ -26,19 +26,19 @@ class PreflightItem:
     scope: Any = None
 
 
-# Columns of the preflight count matrix, summed over ranks.
-_PRESENT, _SPARSE, _MISLAID = 0, 1, 2
-
-
-def local_flags(items: Sequence[PreflightItem]) -> Tensor:
-    """Per item (present, sparse, mislaid) as 0/1: built as Python data, one tensor at the end."""
-    rows = []
-    for item in items:
-        grad = item.grad
-        sparse = grad is not None and grad.is_sparse
-        mislaid = grad is not None and not sparse and not same_layout(item.param, grad)
-        rows.append((int(grad is not None), int(sparse), int(mislaid)))
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(items), 3)
+def local_flags(params: Sequence[Tensor]) -> Tensor:
+    """Per parameter (present, sparse, mislaid) as 0/1, ``[n, 3]``: built as one flat list of Python
+    ints, one tensor at the end."""
+    flat: list[int] = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            flat += (0, 0, 0)
+        elif grad.is_sparse:
+            flat += (1, 1, 0)
+        else:
+            flat += (1, 0, int(not same_layout(p, grad)))
+    return torch.tensor(flat, dtype=torch.int64).view(len(params), 3)
 
 
 def layout_text(t: Tensor | None) -> str:

@@ -40,8 +40,10 @@ class _Layout:
     scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
     params: tuple[str, ...]  # per scope: its groups' (name, layout) rows and every parameter's, as text
     members: tuple[tuple[int, ...], ...]  # per scope: the groups with parameters there
-    names: tuple[tuple[str, ...], ...]  # per group
-    item_scopes: tuple[Any, ...]  # per parameter, in group order
+    flat: tuple[Tensor, ...]  # every parameter, in group order
+    names: tuple[str, ...]  # their names, for errors
+    scope_of: Tensor  # per parameter: the index of its scope, -1 for none
+    sizes: tuple[int, ...]  # per group: its parameter count
 
 
 class StepChecks:
@@ -58,27 +60,19 @@ class StepChecks:
         with a gradient to apply; raises the same error on every rank of a scope."""
         layout = self._layout_of(groups, ddp_group)
         configs, error = _local_checks(groups)
-        items = [
-            PreflightItem(name, p, p.grad, scope)
-            for (p, name), scope in zip(
-                ((p, n) for g, names in zip(groups, layout.names) for p, n in zip(g["params"], names)),
-                layout.item_scopes,
-            )
-        ]
-        flags = local_flags(items)
+        flags = local_flags(layout.flat)
         digests = [
             digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
             for text, members in zip(layout.params, layout.members)
         ]
-        totals = _reduce(layout.scopes, digests, flags, error is not None)
-        for k, (row, _) in enumerate(totals):
-            if _disagree(row):
+        heads, sums, ranks = _reduce(layout.scopes, digests, flags, error is not None)
+        for k, head in enumerate(heads):
+            if _disagree(head):
                 _explain(groups, ddp_group, layout.scopes[k])
-        if error is not None or any(row[7] for row, _ in totals):
-            _raise_together(error, layout, totals)
-        present = _present(items, flags.tolist(), layout, totals)
-        it = iter(present)
-        return configs, [[i for i in range(len(g["params"])) if next(it)] for g in groups]
+        if error is not None or any(head[7] for head in heads):
+            _raise_together(error, heads)
+        present = iter(_present(layout, flags, sums, ranks))
+        return configs, [[i for i in range(size) if next(present)] for size in layout.sizes]
 
     def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
         key = (
@@ -98,13 +92,23 @@ def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layou
     everything = repr(all_params(groups))
     params = tuple(repr([(i, named) for i, _, named in e]) + everything for e in per_scope.values())
     members = tuple(tuple(i for i, _, _ in e) for e in per_scope.values())
-    names = tuple(tuple(param_names(g, i)) for i, g in enumerate(groups))
-    item_scopes = tuple(
-        p.device_mesh if isinstance(p, DTensor) else (ddp_group if g["algorithm"] == "muon" else None)
+    where = {scope: k for k, scope in enumerate(per_scope)}
+    scope_of = [
+        where.get(
+            p.device_mesh if isinstance(p, DTensor) else (ddp_group if g["algorithm"] == "muon" else None), -1
+        )
         for g in groups
         for p in g["params"]
+    ]
+    return _Layout(
+        tuple(per_scope),
+        params,
+        members,
+        tuple(p for g in groups for p in g["params"]),
+        tuple(n for i, g in enumerate(groups) for n in param_names(g, i)),
+        torch.tensor(scope_of, dtype=torch.int64),
+        tuple(len(g["params"]) for g in groups),
     )
-    return _Layout(tuple(per_scope), params, members, names, item_scopes)
 
 
 def _explain(groups: Sequence[Mapping[str, Any]], ddp_group: Any, scope: Any) -> None:
@@ -127,19 +131,20 @@ def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | 
 
 def _reduce(
     scopes: Sequence[Any], digests: Sequence[Sequence[int]], flags: Tensor, failed: bool
-) -> list[tuple[list[int], int]]:
-    """Per scope, in order: [1, digest pieces, their squares, failures] + the flags, summed over
-    the scope, and its rank count. A scope's row carries the failures of the scopes before it."""
-    totals: list[tuple[list[int], int]] = []
+) -> tuple[list[list[int]], list[Tensor], list[int]]:
+    """Per scope, in order, ``[1, digest pieces, their squares, failures]`` and the ``[n, 3]`` flags,
+    summed over the scope, and its rank count. A scope's row carries the failures of the scopes
+    before it."""
+    heads, sums, ranks = [], [], []
     known = int(failed)
     for scope, pieces in zip(scopes, digests):
         head = torch.tensor([1, *pieces, *(x * x for x in pieces), known], dtype=torch.int64)
-        row = torch.cat([head, flags.flatten().to(torch.int64)])
-        ((summed, size),) = sum_over_scopes(row, [scope])
-        values = summed.tolist()
-        known = max(known, int(values[7] > 0))
-        totals.append((values, size))
-    return totals
+        ((summed, size),) = sum_over_scopes(torch.cat([head, flags.flatten()]), [scope])
+        heads.append(summed[:8].tolist())
+        sums.append(summed[8:].view(flags.shape))
+        ranks.append(size)
+        known = max(known, int(heads[-1][7] > 0))
+    return heads, sums, ranks
 
 
 def _disagree(row: Sequence[int]) -> bool:
@@ -148,36 +153,37 @@ def _disagree(row: Sequence[int]) -> bool:
     return any(n * sq != s * s for s, sq in zip(sums, squares))
 
 
-def _raise_together(
-    error: Exception | None, layout: _Layout, totals: Sequence[tuple[list[int], int]]
-) -> None:
+def _raise_together(error: Exception | None, heads: Sequence[Sequence[int]]) -> None:
     """A local check failed on some rank: it raises its own error, the others say where to look."""
     if error is not None:
         raise error
-    ranks = max((row[7] for row, _ in totals), default=1)
+    ranks = max((head[7] for head in heads), default=1)
     raise ValueError(
         f"the optimizer's settings failed a check on {ranks} other rank(s) of a mesh this rank shares "
         "(their error names the group and the value); fix the value there, or set it on every rank"
     )
 
 
-def _present(
-    items: Sequence[PreflightItem],
-    mine: list[list[int]],
-    layout: _Layout,
-    totals: Sequence[tuple[list[int], int]],
-) -> list[bool]:
-    """Raise for a parameter whose gradient is bad on any rank of its scope; which are present."""
-    where = {scope: k for k, scope in enumerate(layout.scopes)}
-    widest = max((size for _, size in totals), default=1)
-    present = []
-    for i, item in enumerate(items):
-        if item.scope is not None:
-            values, ranks = totals[where[item.scope]]
-            row = values[8 + 3 * i : 11 + 3 * i]
-        else:  # a parameter no collective involves still must not fail on one rank alone
-            bad = [max([mine[i][c], *(v[8 + 3 * i + c] for v, _ in totals)]) for c in (1, 2)]
-            row, ranks = [mine[i][0], *bad], widest
-        raise_for(item, row, ranks)
-        present.append(row[0] > 0)
-    return present
+def _present(layout: _Layout, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]) -> list[bool]:
+    """Which parameters have a gradient somewhere in their scope; raises (``preflight.raise_for``)
+    for a sparse or mislaid gradient, or one present on some ranks of a scope only. A parameter no
+    collective involves still must not fail on one rank alone: its sparse and mislaid counts are
+    the largest over every scope of this rank. A few tensor ops, whatever the parameter count."""
+    n = mine.shape[0]
+    unscoped = layout.scope_of < 0
+    rows, counts = mine.clone(), torch.full((n,), max(ranks, default=1), dtype=torch.int64)
+    if sums:
+        stacked = torch.stack(list(sums))  # [scopes, n, 3]
+        index = layout.scope_of.clamp(min=0)
+        rows = torch.where(unscoped[:, None], rows, stacked[index, torch.arange(n)])
+        worst = torch.maximum(mine[:, 1:], stacked[:, :, 1:].amax(dim=0))
+        rows[:, 1:] = torch.where(unscoped[:, None], worst, rows[:, 1:])
+        counts = torch.where(unscoped, counts, torch.tensor(ranks, dtype=torch.int64)[index])
+    partial = ~unscoped & (rows[:, 0] > 0) & (rows[:, 0] < counts)
+    bad = (rows[:, 1] > 0) | (rows[:, 2] > 0) | partial
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        p = layout.flat[i]
+        scope = True if int(layout.scope_of[i]) >= 0 else None
+        raise_for(PreflightItem(layout.names[i], p, p.grad, scope), rows[i].tolist(), int(counts[i]))
+    return (rows[:, 0] > 0).tolist()

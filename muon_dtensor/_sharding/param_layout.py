@@ -172,17 +172,24 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Whether gradient ``b`` is laid out like parameter ``a`` (same kind, mesh, placements, shape)."""
-    if isinstance(a, DTensor) != isinstance(b, DTensor):
-        return False
-    if isinstance(a, DTensor):
-        assert isinstance(b, DTensor)
+    if not isinstance(a, DTensor):
         return (
-            a.device_mesh == b.device_mesh
-            and tuple(a.placements) == tuple(b.placements)
+            not isinstance(b, DTensor)
             and a.shape == b.shape
-            and (local_of(a).shape == local_of(b).shape or local_of(a).numel() == local_of(b).numel() == 0)
+            and torch.device(a.device) == torch.device(b.device)
         )
-    return a.shape == b.shape and torch.device(a.device) == torch.device(b.device)
+    if not isinstance(b, DTensor):
+        return False
+    la, lb = local_tensor(a), local_tensor(b)
+    same_local = la.shape == lb.shape or la.numel() == lb.numel() == 0
+    if a._spec is b._spec:  # FSDP2 builds a parameter's gradients with the parameter's own spec
+        return same_local
+    return (
+        same_local
+        and a.device_mesh == b.device_mesh
+        and tuple(a.placements) == tuple(b.placements)
+        and a.shape == b.shape
+    )
 
 
 def row_state_zeros(p: Tensor) -> Tensor:
