@@ -59,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
     system_info,
     wait_for_quiet,
 )
+from benchmarks.goals import format_goals, goal  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SEED = 0
@@ -298,25 +299,29 @@ def format_traffic(lines: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def check_targets(rows: list[dict[str, Any]], lines: list[dict[str, Any]]) -> dict[str, bool]:
-    """Issue 6's checks at N = 2 (when measured) and the traffic at every N."""
-    out: dict[str, bool] = {}
-    sizes = sorted({r["ranks"] for r in rows if r["contender"] == DISTRIBUTED[2][0]})
-    for n in sizes:
+def check_targets(rows: list[dict[str, Any]], lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each goal with its measured figure (``goals.goal``): the owner ratio and "fastest" at N = 2
+    (when measured), owner against torch on DTensors at every N, and the traffic at every N."""
+    out: list[dict[str, Any]] = []
+    for n in sorted({r["ranks"] for r in rows if r["contender"] == DISTRIBUTED[2][0]}):
         at_n = {r["contender"]: r for r in rows if r["ranks"] == n or r["contender"] in dict(SINGLE)}
-        owner = at_n[DISTRIBUTED[2][0]]
-        prefix = "" if sizes == [2] else f"N={n}: "  # the default run keeps its original wording
+        owner = at_n.pop(DISTRIBUTED[2][0])
         if n == 2:
-            out[f"{prefix}owner ratio <= {OWNER_TARGET}"] = owner["ratio"] <= OWNER_TARGET
-            others = [r["median_ms"] for label, r in at_n.items() if label != DISTRIBUTED[2][0]]
-            out[f"{prefix}owner faster than every alternative"] = owner["median_ms"] < min(others)
-        out[prefix + "owner faster than torch.optim.Muon on DTensors"] = (
-            owner["median_ms"] < at_n[DISTRIBUTED[0][0]]["median_ms"]
-        )
+            text = f"owner step / torch.optim.Muon one-process step at N=2 <= {OWNER_TARGET}"
+            out.append(goal(text, f"{owner['ratio']:.2f}", owner["ratio"] <= OWNER_TARGET))
+            out.append(_faster(owner, list(at_n.values()), f"every alternative at N={n}"))
+        out.append(_faster(owner, [at_n[DISTRIBUTED[0][0]]], f"torch.optim.Muon on DTensors at N={n}"))
     for t in lines:
-        key = f"N={t['ranks']}: {t['mode']} mean bytes within {TRAFFIC_TOLERANCE:.0f}% of formula"
-        out[key] = abs(t["mean_off_percent"]) <= TRAFFIC_TOLERANCE
+        text = f"{t['mode']} mean bytes within {TRAFFIC_TOLERANCE:.0f}% of the formula at N={t['ranks']}"
+        off = t["mean_off_percent"]
+        out.append(goal(text, f"{off:+.1f}%", abs(off) <= TRAFFIC_TOLERANCE))
     return out
+
+
+def _faster(owner: dict[str, Any], rivals: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    best = min(rivals, key=lambda r: r["median_ms"])
+    measured = f"{owner['median_ms']:.1f} ms against {best['median_ms']:.1f} ms ({best['contender']})"
+    return goal(f"owner faster than {what}", measured, owner["median_ms"] < best["median_ms"])
 
 
 # --------------------------------------------------------------------------- main
@@ -356,15 +361,14 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], load_start: dic
     cores = os.cpu_count() or 1
     if max(world_sizes(args)) > cores:
         print(f"NOTE: {max(world_sizes(args))} ranks on {cores} cores are oversubscribed (time-shared).")
-    verdict = "PASS" if all(targets.values()) else "FAIL"
-    print(f"{verdict}: " + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in targets.items()))
+    print(format_goals(targets))
     config = dict(vars(args))
     path = out_path(args)
     config["out"] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
     payload = {**system_info(), "config": config, "num_matrices": len(shapes)}
     payload |= {"load_at_start": load_start, "matrix_set": MATRIX_SETS[args.matrix_set]}
     payload |= {"comm_formulas": comm_formulas(shapes, world_sizes(args)[-1]), "traffic": lines}
-    payload |= {"rows": rows, "targets": targets, "verdict": verdict}
+    payload |= {"rows": rows, "goals": targets}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(

@@ -22,7 +22,7 @@ it is refused. To train longer than planned, say so: ``--stretch-schedule`` rebu
 end at the new ``--steps``, as if the run had been planned that long (the log shows the learning rate
 before and after; it goes up)::
 
-    torchrun --standalone --nproc_per_node=2 examples/train.py --steps 400 --ckpt runs/train --resume \
+    torchrun --standalone --nproc_per_node=2 examples/train.py --steps 400 --ckpt runs/train --resume \\
         --stretch-schedule
 
 Two nodes, one command on each (``--rdzv_endpoint`` is node 0's address; 127.0.0.1 runs both
@@ -64,12 +64,23 @@ from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import MeshShape, build_mesh, data_parallel, device_type, shard_model
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in ``--help`` (where its help does not
+    already say it, and the option has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     model = p.add_argument_group("model")
-    model.add_argument("--dim", type=int, default=64)
-    model.add_argument("--layers", type=int, default=2)
-    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--dim", type=int, default=64, help="model width")
+    model.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    model.add_argument("--heads", type=int, default=4, help="attention heads")
     model.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     mesh = p.add_argument_group("mesh")
     mesh.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: world size / tp)")
@@ -84,8 +95,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
     train.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction")
     train.add_argument("--data", type=Path, default=None, help="a file to train on (default: generated)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--log-every", type=int, default=10)
+    train.add_argument("--seed", type=int, default=0, help="model initialization seed")
+    train.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt", type=Path, default=Path("runs/train"), help="checkpoint folder")
     ckpt.add_argument("--save-every", type=int, default=50, help="also saved at the last step")
@@ -229,6 +240,9 @@ def train(args: argparse.Namespace) -> None:
     factor = lambda step: lr_factor(step, warmup=args.warmup, total=args.steps, floor=args.min_lr_ratio)  # noqa: E731
     schedule = LambdaLR(opt, factor)
     start = resume(args, model, opt, schedule)
+    if start >= args.steps:
+        finished(start, args)
+        return
     clock = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         lr = opt.param_groups[0]["lr"]  # the learning rate this step uses
@@ -241,6 +255,19 @@ def train(args: argparse.Namespace) -> None:
             extra = {"data_step": step, "scheduler": schedule.state_dict(), "schedule": schedule_of(args)}
             folder = save_checkpoint(args.ckpt, step, model, opt, extra=extra, keep_last=args.keep_last)
             log(f"saved {folder}")
+
+
+def finished(start: int, args: argparse.Namespace) -> None:
+    """A resume at or past ``--steps`` trains nothing: say so (past it, refuse: SystemExit)."""
+    if start > args.steps:
+        raise SystemExit(
+            f"error: the checkpoint is at step {start}, past --steps {args.steps}: nothing to train. "
+            f"Give --steps above {start} (with --stretch-schedule) to train on"
+        )
+    log(
+        f"the run is finished: the checkpoint is at step {start} = --steps; nothing to train. To train "
+        f"longer, give a larger --steps with --stretch-schedule (the cosine is rebuilt to end there)"
+    )
 
 
 def export(args: argparse.Namespace) -> None:

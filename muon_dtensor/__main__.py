@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
+       python -m muon_dtensor --version
 
   demo   train a small model with FSDP2 on 2 CPU ranks, crash, resume on 1 rank, compare
   plan   predict one Muon optimizer step for a model on N GPUs from the cost model
@@ -13,7 +14,7 @@ Each takes --help."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a subcommand; return its exit status (2 and the usage for an unknown one)."""
+    """Run a subcommand; return its exit status (2, the reason and the usage for an unknown one)."""
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command == "demo":
@@ -27,7 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    print(USAGE, file=sys.stderr)
+    if command in ("-V", "--version"):
+        from . import __version__
+
+        print(f"muon_dtensor {__version__}")
+        return 0
+    reason = "no command given" if not command else f"unknown command {command!r}"
+    print(f"error: {reason}: choose demo or plan\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -1,7 +1,8 @@
 """Split a model's parameters the usual way: hidden 2-D matrices to Muon, the rest to AdamW.
 
 Muon is meant for hidden-layer matrices (Keller Jordan, "Muon: An optimizer for hidden layers in
-neural networks"); embeddings, the output head, norms and biases stay with AdamW.
+neural networks"); embeddings, the output head, norms and biases stay with AdamW. With ``head_dim``,
+the q, k, v projections get a Muon group of their own that orthogonalizes each head separately.
 """
 
 from __future__ import annotations
@@ -12,11 +13,22 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "split_params"]
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "split_params"]
 
 # Last component of the module path of common output heads (GPT-2/Llama "lm_head", torchtitan
 # "output", timm/torchvision "head", "fc", "classifier").
 DEFAULT_HEAD_NAMES = ("lm_head", "output", "head", "classifier")
+# Last component of the module path of q, k, v projections whose rows are heads: Hugging Face
+# Llama/Mistral/Qwen ("q_proj", fused "qkv_proj"), torchtitan ("wq"), BERT ("query"), GPT-NeoX.
+DEFAULT_QKV_NAMES = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "wq", "wk", "wv", "query", "key", "value", "query_key_value",
+)  # fmt: skip
+# Output projections and MLP matrices: rows that are not heads, so head_dim must never reach them.
+_NOT_HEADS = frozenset((
+    "o", "o_proj", "out_proj", "wo", "c_proj", "dense", "proj", "attn_out", "gate", "up", "down",
+    "gate_proj", "up_proj", "down_proj", "fc", "fc1", "fc2", "c_fc", "w1", "w2", "w3", "dense_h_to_4h",
+    "dense_4h_to_h", "mlp",
+))  # fmt: skip
 # Module path components added by torch.compile and activation checkpointing (DCP drops them too):
 # heads and patterns are matched without them, so a wrapped model splits as the plain one does.
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
@@ -35,6 +47,19 @@ def _embedding_params(model: nn.Module) -> set[int]:
     }
 
 
+def _plain(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def _owners(model: nn.Module) -> dict[str, str]:
+    """Parameter FQN -> class name of the module that holds it."""
+    return {
+        f"{prefix}.{name}" if prefix else name: type(module).__name__
+        for prefix, module in model.named_modules()
+        for name, _ in module.named_parameters(recurse=False)
+    }
+
+
 def split_params(
     model: nn.Module,
     *,
@@ -42,6 +67,8 @@ def split_params(
     adamw: Sequence[str] = (),
     head_names: Sequence[str] = DEFAULT_HEAD_NAMES,
     adamw_options: dict[str, Any] | None = None,
+    head_dim: int | None = None,
+    qkv: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Param groups for ``muon_dtensor.Muon``: ``[{muon group}, {"algorithm": "adamw", ...}]``.
 
@@ -51,14 +78,42 @@ def split_params(
         adamw: glob patterns of parameter names forced into the AdamW group (wins over ``muon``).
         head_names: module names treated as output heads.
         adamw_options: extra keys for the AdamW group (``lr``, ``betas``, ``eps``, ``weight_decay``).
+        head_dim: rows per attention head: the Muon matrices of modules named by ``qkv`` get a
+            second Muon group, ``{"head_dim": head_dim}``, placed after the first.
+        qkv: names (globs) of the q, k, v projection modules, the last component of the module path;
+            only with ``head_dim``; default ``DEFAULT_QKV_NAMES``.
     Parameters keep their names, so errors and checkpoints use FQNs. Frozen parameters are left out.
+    Raises ValueError where ``head_dim`` would reach no matrix, or a matrix whose rows are not heads
+    (an output projection, an MLP, a transposed ``Conv1D``).
     """
+    if qkv is not None and head_dim is None:
+        raise ValueError(f"split_params: qkv={tuple(qkv)!r} needs head_dim (rows per attention head)")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(f"split_params: head_dim must be a positive int (rows per head) but is {head_dim!r}")
+    groups = _sort(model, muon, adamw, head_names)
+    if head_dim is not None:
+        names = DEFAULT_QKV_NAMES if qkv is None else tuple(qkv)
+        groups["heads"] = _take_heads(model, groups["muon"], names, head_dim)
+    out: list[dict[str, Any]] = []
+    if groups["muon"]:
+        out.append({"params": groups["muon"], "algorithm": "muon"})
+    if groups.get("heads"):
+        out.append({"params": groups["heads"], "algorithm": "muon", "head_dim": head_dim})
+    if groups["adamw"]:
+        out.append({"params": groups["adamw"], "algorithm": "adamw", **(adamw_options or {})})
+    return out
+
+
+def _sort(
+    model: nn.Module, muon: Sequence[str], adamw: Sequence[str], head_names: Sequence[str]
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """``{"muon": [...], "adamw": [...]}``: each trainable (name, parameter) in its group."""
     embeddings = _embedding_params(model)
-    groups: dict[str, list] = {"muon": [], "adamw": []}
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"muon": [], "adamw": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        plain = ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+        plain = _plain(name)
         module_name = plain.rsplit(".", 1)[0] if "." in plain else ""
         is_head = module_name.rsplit(".", 1)[-1] in head_names
         hidden = p.ndim == 2 and id(p) not in embeddings and not is_head
@@ -67,9 +122,43 @@ def split_params(
         elif _matches(plain, muon):
             hidden = True
         groups["muon" if hidden else "adamw"].append((name, p))
-    out: list[dict[str, Any]] = []
-    if groups["muon"]:
-        out.append({"params": groups["muon"], "algorithm": "muon"})
-    if groups["adamw"]:
-        out.append({"params": groups["adamw"], "algorithm": "adamw", **(adamw_options or {})})
-    return out
+    return groups
+
+
+def _module_of(name: str) -> str:
+    """Last component of the module path of a parameter FQN ("" at the root)."""
+    plain = _plain(name)
+    return plain.rsplit(".", 2)[-2] if plain.count(".") else ""
+
+
+def _take_heads(
+    model: nn.Module, muon: list[tuple[str, nn.Parameter]], qkv: tuple[str, ...], head_dim: int
+) -> list[tuple[str, nn.Parameter]]:
+    """Move the Muon matrices of ``qkv`` modules out of ``muon`` (in place) and return them, after
+    refusing names whose rows are not heads."""
+    heads = [(n, p) for n, p in muon if _matches(_module_of(n), qkv)]
+    if not heads:
+        some = ", ".join(n for n, _ in muon[:6]) or "none"
+        raise ValueError(
+            f"split_params: head_dim={head_dim} reaches no matrix: no Muon parameter's module is named "
+            f"like qkv={qkv!r} (Muon parameters: {some}). Pass qkv= the module names of your q, k, v "
+            "projections, e.g. qkv=('q', 'k', 'v')"
+        )
+    owners = _owners(model)
+    wrong = [n for n, _ in heads if _module_of(n) in _NOT_HEADS or owners.get(n) == "Conv1D"]
+    if wrong:
+        raise ValueError(
+            f"split_params: head_dim={head_dim} would cut matrices whose rows are not attention heads "
+            f"(output projections, MLPs, or a transposed Conv1D whose heads are columns): {wrong}. "
+            f"Narrow qkv={qkv!r} to the q, k, v projections (a group built by hand can still set "
+            "head_dim on anything: docs/api.md)"
+        )
+    uneven = [f"{n} {tuple(p.shape)}" for n, p in heads if p.shape[0] % head_dim]
+    if uneven:
+        raise ValueError(
+            f"split_params: head_dim={head_dim} does not divide the rows of {uneven}; give the rows per "
+            "head (the projection's out_features / heads), or narrow qkv"
+        )
+    taken = {id(p) for _, p in heads}
+    muon[:] = [(n, p) for n, p in muon if id(p) not in taken]
+    return heads

@@ -2,9 +2,11 @@
 muon_dtensor optimizer: train, let the Trainer save ``checkpoint-N``, resume in fresh processes.
 
 The Trainer refuses ``optimizers=(...)`` under FSDP, so Muon comes in through
-``optimizer_cls_and_kwargs`` as a factory (transformers' hook for Muon-like optimizers): it gets the
-plain model, builds the param groups with ``split_params``, and accelerate then swaps the parameters
-for the DTensors ``fully_shard`` made (``Muon`` follows, tests/test_accelerate.py).
+``optimizer_cls_and_kwargs`` as the factory ``muon_dtensor.hf.MuonForTrainer`` (transformers' hook
+for Muon-like optimizers): it gets the plain model, builds the param groups with ``split_params``,
+and accelerate then swaps the parameters for the DTensors ``fully_shard`` made (``Muon`` follows,
+tests/test_accelerate.py). On CPU accelerate drops its FSDP plugin; ``muon_dtensor.hf.FsdpOnCpu``
+puts it back, as accelerate does on a GPU (accelerate's GPU-only decision itself is not tested).
 
 accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)``: under
 ``SHARDED_STATE_DICT`` as DCP files (``optimizer_0/``), every rank writing its shards; under
@@ -29,16 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from muon_dtensor import Muon, split_params
+from muon_dtensor.hf import FsdpOnCpu, MuonForTrainer
 from muon_dtensor.testing import run_ranks
 from tests.models import full
 
 transformers = pytest.importorskip("transformers")
-accelerate_state = pytest.importorskip("accelerate.state")
-accelerate_utils = pytest.importorskip("accelerate.utils")
+pytest.importorskip("accelerate")
 Trainer: Any = transformers.Trainer
 TrainerCallback: Any = transformers.TrainerCallback
-DistributedType: Any = accelerate_utils.DistributedType
 
 TOTAL, SAVED = 4, 2  # Trainer steps; the checkpoint resumed from
 KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
@@ -69,13 +69,6 @@ def test_trainer_fsdp2_resumes_momentum_and_run_exactly(tmp_path: Path) -> None:
 
 
 # Rank functions (fresh processes, muon_dtensor.testing).
-
-
-class MuonFactory:
-    """transformers calls ``MuonFactory()(model, **kwargs)`` (``is_optimizer_factory``)."""
-
-    def __call__(self, model: nn.Module, **kwargs: Any) -> Muon:
-        return Muon(split_params(model, adamw_options={"lr": 3e-3}), **kwargs)
 
 
 class Counting(torch.utils.data.Dataset):
@@ -145,23 +138,8 @@ class Recorder(TrainerCallback):
         self.at_end.update({n: full(p.detach()).clone() for n, p in model.named_parameters()})
 
 
-class CpuFsdpTrainer(Trainer):
-    """The Trainer, with the one step accelerate skips on CPU.
-
-    accelerate 1.15 turns its FSDP plugin on only for accelerator device types (``AcceleratorState``:
-    MULTI_GPU, MULTI_XPU, MULTI_NPU, ...); on CPU (MULTI_CPU) it drops the plugin without a word and the
-    Trainer trains with DDP. This marks the state FSDP with the Trainer's plugin, as accelerate does on
-    a GPU; ``fully_shard``, the parameter swap, the checkpoints are all accelerate's own code.
-    """
-
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        if state.distributed_type == DistributedType.MULTI_CPU and self.args.fsdp_plugin_args:
-            state.fsdp_plugin = accelerate_utils.FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            state.distributed_type = DistributedType.FSDP
-            accelerate_state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            self.is_fsdp_enabled = True
+class CpuFsdpTrainer(FsdpOnCpu, Trainer):
+    """The Trainer with FSDP2 kept on CPU ranks (accelerate drops it there; ``muon_dtensor.hf``)."""
 
 
 def _run(root: str, kind: str, resume_from: str | None) -> dict[str, Any]:
@@ -192,7 +170,7 @@ def _run(root: str, kind: str, resume_from: str | None) -> dict[str, Any]:
         model=_model(),
         args=args,
         train_dataset=Counting(),
-        optimizer_cls_and_kwargs=(MuonFactory, {"lr": 0.02}),
+        optimizer_cls_and_kwargs=(MuonForTrainer, {"lr": 0.02, "adamw_options": {"lr": 3e-3}}),
         callbacks=[recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from)

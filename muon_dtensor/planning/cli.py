@@ -6,6 +6,7 @@ Examples::
     python -m muon_dtensor plan --model llama3-70b --gpus 256 --shard 64     # HSDP: 4 replicas x 64
     python -m muon_dtensor plan --layers 24 --dim 2048 --gpus 8 --matmul-tflops 600
     python -m muon_dtensor plan --model llama3-8b --gpus 8 --json
+    python -m muon_dtensor plan --model llama3.1-405b --gpus 512 --ns-algorithm gram
 
 The step is predicted by ``costmodel.predict``. Without replicas, for one shard group (the ranks a
 parameter is sharded over, FSDP2's ``Shard(0)``). With HSDP (``--replicate`` > 1), ``--owners``
@@ -24,12 +25,32 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .._sharding.plan import DEFAULT_ROUND_BYTES
-from .costmodel import CURRENT, LLAMA3_8B, LLAMA3_70B, Prediction, Shape, predict, transformer_shapes
+from .costmodel import (
+    CURRENT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA31_405B,
+    Prediction,
+    Shape,
+    predict,
+    transformer_shapes,
+)
 from .hardware import Hardware
 
 __all__ = ["MODELS", "Layout", "hardware", "main", "parse_args", "plan"]
 
-MODELS: dict[str, list[Shape]] = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+MODELS: dict[str, list[Shape]] = {
+    "llama3-8b": LLAMA3_8B,
+    "llama3-70b": LLAMA3_70B,
+    "llama3.1-405b": LLAMA31_405B,
+}
+# NorMuon adds to each matrix one m x 1 column in both exchanges and a few row passes on its owner;
+# the cost model has no term for them, so a NorMuon step is not priced rather than priced as Muon's.
+NORMUON_REFUSAL = (
+    "the cost model does not price NorMuon (its extra per matrix: one column of m values in each "
+    "all-to-all and a few elementwise row passes on the owner); plan without --normuon for the Muon "
+    "step it adds to"
+)
 # Command-line flag -> (Hardware field, factor from the flag's unit to the field's).
 _HW_FLAGS = {
     "matmul_tflops": ("matmul_flops", 1e12),
@@ -73,6 +94,13 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (5)")
     g.add_argument(
+        "--ns-algorithm",
+        choices=("standard", "gram"),
+        default="standard",
+        help='as Muon(ns_algorithm=...); "gram" prices Gram Newton-Schulz flops (standard)',
+    )
+    g.add_argument("--normuon", action="store_true", help=f"refused: {NORMUON_REFUSAL}")
+    g.add_argument(
         "--ns-split", action="store_true", help='split the largest matrices where it pays, as ns_split="auto"'
     )
     g.add_argument(
@@ -110,6 +138,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if args.ns_steps < 0 or args.max_round_bytes < 0:
         p.error("--ns-steps and --max-round-bytes must be >= 0")
+    if args.normuon:
+        p.error(f"--normuon: {NORMUON_REFUSAL}")
+    if args.ns_split and args.ns_algorithm == "gram":
+        p.error(
+            '--ns-split with --ns-algorithm gram: Muon splits only the standard iteration (ns_split="auto" '
+            "splits nothing under gram); drop one of them"
+        )
     return args
 
 
@@ -163,6 +198,7 @@ def plan(args: argparse.Namespace) -> Prediction:
         mode=args.mode,
         impl=impl,
         ns_steps=args.ns_steps,
+        ns_algorithm=args.ns_algorithm,
         replicas=args.layout.replicate,
         owners=args.owners,
         split=args.ns_split,
@@ -181,8 +217,8 @@ def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
         f"TB/s, links {hw.intra_node_bandwidth / 1e9:g} / {hw.inter_node_bandwidth / 1e9:g} GB/s each "
         f"way (in / across nodes), {hw.collective_latency * 1e6:g} us per collective, "
         f"{hw.op_overhead * 1e6:g} us per eager op",
-        f"mode: {args.mode}, {args.ns_steps} Newton-Schulz steps, {rounds}, owners {args.owners}"
-        + (", ns_split auto" if args.ns_split else ""),
+        f"mode: {args.mode}, {args.ns_steps} {args.ns_algorithm} Newton-Schulz steps, {rounds}, "
+        f"owners {args.owners}" + (", ns_split auto" if args.ns_split else ""),
     ]
 
 
@@ -223,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out | {"prediction": asdict(p)}, indent=2))
         return 0
     redundant = predict(
-        args.shapes, args.layout.shard, hardware(args), mode="redundant", ns_steps=args.ns_steps
+        args.shapes,
+        args.layout.shard,
+        hardware(args),
+        mode="redundant",
+        ns_steps=args.ns_steps,
+        ns_algorithm=args.ns_algorithm,
     )
     print(_report(args, p, redundant))
     return 0

@@ -1,0 +1,33 @@
+"""``python -m muon_dtensor``: ``--version``, and an unknown or missing command says why it exits 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import muon_dtensor
+from muon_dtensor.__main__ import main
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out == f"muon_dtensor {muon_dtensor.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [(["trian"], "error: unknown command 'trian': choose demo or plan"), ([], "no command given")],
+)
+def test_unknown_command_says_why(capsys: pytest.CaptureFixture[str], argv: list[str], reason: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert reason in err and "usage: python -m muon_dtensor {demo,plan}" in err
+
+
+def test_as_a_module() -> None:
+    """The real command line: ``-m`` runs ``main`` and exits with its status."""
+    done = subprocess.run([sys.executable, "-m", "muon_dtensor", "--version"], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, f"muon_dtensor {muon_dtensor.__version__}\n"), done.stderr
