@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
-from .safe_read import METADATA, bytes_entries, read_entries, read_metadata
+from .safe_read import METADATA, bytes_entries, is_file_name, read_entries, read_metadata
 
 __all__ = [
     "MANIFEST",
@@ -45,7 +45,6 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{8,})$")
-_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # DCP's names: no separator, so never outside the folder
 _CHECKSUM = "checksum"
 # The keys of a manifest written before manifests carried their own checksum.
 _LEGACY_KEYS = {"extra", "files", "step", "time", "torch", "world_size"}
@@ -119,22 +118,23 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not isinstance(content, dict):
         raise CheckpointError(f"{path}: not a manifest (corrupted)")
     checksum = content.pop(_CHECKSUM, None)
-    try:
-        legacy = checksum is None and content.keys() == _LEGACY_KEYS and _render(content) == text
-        if not (
-            legacy or (_render({**content, _CHECKSUM: checksum}) == text and checksum == _digest(content))
-        ):
-            raise CheckpointError(
-                f"{path}: the manifest fails its checksum (corrupted or edited); nothing was loaded"
-            )
-    except (ValueError, RecursionError) as e:  # NaN or infinity in a corrupted number; deep nesting
-        if isinstance(e, CheckpointError):
-            raise
+    if not _signed(text, content, checksum):
         raise CheckpointError(
             f"{path}: the manifest fails its checksum (corrupted or edited); nothing was loaded"
-        ) from e
+        )
     _check_content(folder, content)
     return content
+
+
+def _signed(text: str, content: dict[str, Any], checksum: Any) -> bool:
+    """Whether ``text`` is exactly the canonical text of ``content`` and its checksum (a manifest of
+    before the checksum: of the legacy keys alone)."""
+    try:
+        if checksum is None and content.keys() == _LEGACY_KEYS:
+            return _render(content) == text
+        return _render({**content, _CHECKSUM: checksum}) == text and checksum == _digest(content)
+    except (ValueError, RecursionError):  # NaN or infinity in a corrupted number; deep nesting
+        return False
 
 
 def _check_content(folder: Path, content: dict[str, Any]) -> None:
@@ -146,7 +146,7 @@ def _check_content(folder: Path, content: dict[str, Any]) -> None:
             f"{path}: 'files' is not a map of file names to sizes and checksums; nothing was loaded"
         )
     for name in files:
-        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+        if not is_file_name(name):
             raise CheckpointError(
                 f"{path}: the entry {name!r} is not a file name of the step folder (a path outside it or "
                 "below it); the manifest was edited, nothing was loaded"

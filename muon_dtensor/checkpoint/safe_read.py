@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -36,7 +37,15 @@ from torch.serialization import _get_layout
 
 from ._errors import CheckpointError
 
-__all__ = ["METADATA", "SafeLoadPlanner", "SafeReader", "bytes_entries", "read_entries", "read_metadata"]
+__all__ = [
+    "METADATA",
+    "SafeLoadPlanner",
+    "SafeReader",
+    "bytes_entries",
+    "is_file_name",
+    "read_entries",
+    "read_metadata",
+]
 
 METADATA = ".metadata"
 # Objects a pickle may fill in (BUILD): DCP's records, never a class or torch itself.
@@ -60,6 +69,12 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 _BUILD = pickle.BUILD[0]
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # no separator, so never a path outside or below a folder
+
+
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` names a file of the folder itself (DCP's and safetensors' names do)."""
+    return type(name) is str and _FILE_NAME.fullmatch(name) is not None and name not in (".", "..")
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -165,7 +180,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
             where = getattr(info, "relative_path", "its file")
             raise CheckpointError(
-                f"{fqn} in {where} is not plain data (numbers, strings, containers, dtypes): {e}. "
+                f"{fqn} in {where} is not plain data (numbers, strings, containers, dtypes): {_reason(e)}. "
                 "Nothing was loaded; the step folder was edited or saved with such a value (a param-group "
                 "entry holding an object)"
             ) from e
@@ -173,6 +188,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             _put(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def _reason(e: Exception) -> str:
+    """The line of torch's weights_only refusal that names the global (the rest advises
+    ``weights_only=False``, the opposite of the fix here)."""
+    lines = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+    return lines[0].rstrip(".") if lines else f"{type(e).__name__}: {e}"
 
 
 def _put(root: Any, path: tuple[Any, ...], value: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from .._sharding.blocks import Block
 from .._sharding.param_layout import layout_of, local_of
 from ._warnings import single_process
 from .manifest import CheckpointError, verify_folder
-from .safe_read import SafeLoadPlanner, SafeReader, read_metadata
+from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
 
 __all__ = ["export_safetensors", "load_safetensors"]
 
@@ -36,7 +35,6 @@ INDEX = "model.safetensors.index.json"
 # Module path components of torch.compile (OptimizedModule) and activation checkpointing
 # (CheckpointWrapper), which DCP's get_state_dict also drops.
 WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
-_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a file of the folder itself: no separator
 
 
 def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -135,7 +133,7 @@ def _indexed(index: Path) -> dict[str, Path]:
     if type(weight_map) is not dict:
         raise CheckpointError(f"{index}: 'weight_map' is not a map of tensor names to files")
     for name, file in weight_map.items():
-        if type(file) is not str or not _FILE_NAME.fullmatch(file) or file in (".", ".."):
+        if not is_file_name(file):
             raise CheckpointError(
                 f"{index}: {name!r} is in {file!r}, not a file name of the index's folder; nothing was loaded"
             )
