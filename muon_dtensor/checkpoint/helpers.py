@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -39,6 +39,7 @@ from .._sharding import comm, groups
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
 from .manifest import (
+    MANIFEST,
     CheckpointError,
     check_compatible,
     check_extra,
@@ -49,6 +50,7 @@ from .manifest import (
     verify_files,
     write_manifest,
 )
+from .safe_read import SafeLoadPlanner, SafeReader
 
 __all__ = [
     "CheckpointError",
@@ -271,8 +273,18 @@ def async_save_checkpoint(
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
+    """The newest published step under ``root``, or None; CheckpointError if ``root`` is a step
+    folder, or if the newest step's manifest fails its checks (the load would refuse it)."""
+    root = Path(root)
+    if (root / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{root} is a step folder, not a checkpoint root; pass its parent {root.parent} (and step=...)"
+        )
     steps = complete_steps(root)
-    return steps[-1] if steps else None
+    if not steps:
+        return None
+    read_manifest(step_dir(root, steps[-1]))
+    return steps[-1]
 
 
 def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -323,12 +335,7 @@ def load_checkpoint(
     manifest = _verify(folder, process_group)
     state = _state(model, None if fresh else optimizer)
     _raise_together(_attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
-    # Partial load: hyperparameter entries a torch.optim.Muon / AdamW checkpoint lacks ("algorithm")
-    # keep their current values; every tensor and every group was checked above.
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    solo = _solo()
-    with single_process(solo):
-        dcp.load(state, checkpoint_id=str(folder), process_group=process_group, planner=planner, no_dist=solo)
+    _read(folder, manifest["files"], state, process_group)
     _apply(state, model, optimizer, fresh)
     if fresh and comm.rank_and_size(process_group)[0] == 0:
         log.warning(
@@ -337,6 +344,20 @@ def load_checkpoint(
             folder,
         )
     return {"step": chosen, **manifest.get("extra", {})}
+
+
+def _read(folder: Path, files: list[str], state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """``dcp.load`` through the safe reader and planner. Partial: hyperparameter entries a
+    torch.optim.Muon / AdamW checkpoint lacks ("algorithm") keep their current values; every tensor
+    and every group was checked before. DCP's own failure (a BaseException) becomes a
+    CheckpointError, on every rank alike, as DCP raises it."""
+    reader, planner = SafeReader(folder, files), SafeLoadPlanner(allow_partial_load=True)
+    solo = _solo()
+    try:
+        with single_process(solo):
+            dcp.load(state, storage_reader=reader, process_group=group, planner=planner, no_dist=solo)
+    except CheckpointException as e:
+        raise CheckpointError(f"{folder}: DCP could not read the checkpoint: {e}") from e
 
 
 def _apply(state: dict[str, Any], model: nn.Module, optimizer: Optimizer | None, fresh: bool) -> None:

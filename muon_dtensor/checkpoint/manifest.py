@@ -4,6 +4,10 @@ DCP keeps no checksums, so one flipped bit in a shard would load silently with a
 save helper records a CRC-32 of every file in ``manifest.json`` and the load helper verifies them.
 The manifest carries a SHA-256 of its own canonical text, and is only read back if its bytes are
 exactly that text, so a flipped byte anywhere in it fails to parse or fails the check.
+
+These checksums find damage, not edits: anyone who can write the folder can write a new manifest.
+So a manifest is read as untrusted data too: its entries must be file names of its own step folder,
+its step that of the folder's name, and DCP's files are read without unpickling (``safe_read``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
+from .safe_read import METADATA, bytes_entries, is_file_name, read_entries, read_metadata
 
 __all__ = [
     "MANIFEST",
@@ -35,6 +39,7 @@ __all__ = [
     "read_manifest",
     "step_dir",
     "verify_files",
+    "verify_folder",
     "write_manifest",
 ]
 
@@ -47,10 +52,6 @@ _JSON_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 64
 _GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.(.+)")
 _GROUP_ENTRIES = ("params", "algorithm")  # what must agree between the checkpoint and the optimizer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked: corrupt, incomplete or of another model."""
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -112,21 +113,79 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         text = path.read_bytes().decode("utf-8")
         content = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({e}); the save did not finish") from e
     if not isinstance(content, dict):
         raise CheckpointError(f"{path}: not a manifest (corrupted)")
     checksum = content.pop(_CHECKSUM, None)
+    if not _signed(text, content, checksum):
+        raise CheckpointError(
+            f"{path}: the manifest fails its checksum (corrupted or edited); nothing was loaded"
+        )
+    _check_content(folder, content)
+    return content
+
+
+def _signed(text: str, content: dict[str, Any], checksum: Any) -> bool:
+    """Whether ``text`` is exactly the canonical text of ``content`` and its checksum (a manifest of
+    before the checksum: of the legacy keys alone)."""
     try:
-        if checksum is None and content.keys() == _LEGACY_KEYS and _render(content) == text:
-            return content
-        if _render({**content, _CHECKSUM: checksum}) == text and checksum == _digest(content):
-            return content
-    except ValueError:  # NaN or infinity in a corrupted number
-        pass
-    raise CheckpointError(
-        f"{path}: the manifest fails its checksum (corrupted or edited); nothing was loaded"
-    )
+        if checksum is None and content.keys() == _LEGACY_KEYS:
+            return _render(content) == text
+        return _render({**content, _CHECKSUM: checksum}) == text and checksum == _digest(content)
+    except (ValueError, RecursionError):  # NaN or infinity in a corrupted number; deep nesting
+        return False
+
+
+def _check_content(folder: Path, content: dict[str, Any]) -> None:
+    """What the readers rely on: ``files`` maps file names of this folder (DCP's ``.metadata``
+    among them) to sizes and checksums, ``step`` is the folder's, ``extra`` is a dict."""
+    path, files = folder / MANIFEST, content.get("files")
+    if type(files) is not dict or not all(_is_record(r) for r in files.values()):
+        raise CheckpointError(
+            f"{path}: 'files' is not a map of file names to sizes and checksums; nothing was loaded"
+        )
+    for name in files:
+        if not is_file_name(name):
+            raise CheckpointError(
+                f"{path}: the entry {name!r} is not a file name of the step folder (a path outside it or "
+                "below it); the manifest was edited, nothing was loaded"
+            )
+    if METADATA not in files:
+        raise CheckpointError(f"{path}: DCP's {METADATA} is not among the checked files; nothing was loaded")
+    step, match = content.get("step"), _STEP.match(folder.name)
+    if type(step) is not int or type(content.get("extra", {})) is not dict:
+        raise CheckpointError(f"{path}: 'step' is not an int or 'extra' not a dict; nothing was loaded")
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(
+            f"{path}: the manifest is of step {step}, its folder is {folder.name} (a folder renamed or copied "
+            "over another); nothing was loaded. Load the step it was saved as"
+        )
+
+
+def _is_record(record: Any) -> bool:
+    return type(record) is dict and all(type(record.get(k)) is int for k in ("bytes", "crc32"))
+
+
+def verify_folder(folder: Path) -> dict[str, Any]:
+    """The manifest of the step folder ``folder``, after every file was checked against it (one
+    process); CheckpointError naming the files, or the folder and what to pass instead."""
+    if not (folder / MANIFEST).is_file():
+        steps = complete_steps(folder)
+        if steps:
+            raise CheckpointError(
+                f"{folder} is a checkpoint root, not a step folder; pass one of its steps, e.g. "
+                f"{step_dir(folder, steps[-1])}"
+            )
+        raise CheckpointError(
+            f"{folder}: no {MANIFEST}, so not a step folder published by save_checkpoint (a save that did not "
+            "finish, or another tool's folder); pass a folder root/step_XXXXXXXX that save_checkpoint wrote"
+        )
+    manifest = read_manifest(folder)
+    problems = verify_files(folder, sorted(manifest["files"]), manifest)
+    if problems:
+        raise CheckpointError("checkpoint files failed verification: " + "; ".join(problems))
+    return manifest
 
 
 def check_extra(extra: Any) -> dict[str, Any]:
@@ -214,7 +273,7 @@ def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
     ignores the checkpoint's optimizer entries, a full load checks both parts.
     """
     parts = {_part(k) for k in flat_state}
-    everything = FileSystemReader(str(folder)).read_metadata()
+    everything = read_metadata(folder, read_manifest(folder)["files"])
     metadata = {k: v for k, v in everything.state_dict_metadata.items() if _part(k) in parts}
     saved = {k: tuple(v.size) for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
     wanted = _tensor_keys(flat_state)
@@ -230,7 +289,8 @@ def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
     wrong = [f"{k}: saved {saved[k]}, expected {wanted[k]}" for k in sorted(wanted) if saved[k] != wanted[k]]
     if wrong:
         raise CheckpointError(f"{folder}: shape mismatch: {_short(wrong)}. Nothing was loaded.")
-    _check_groups(folder, flat_state, everything)
+    entries = read_entries(folder, everything, bytes_entries(everything, parts))  # each one, before any load
+    _check_groups(folder, flat_state, _groups(entries))
 
 
 def _optimizer_only(keys: Iterable[str]) -> tuple[str, str]:
@@ -256,23 +316,6 @@ def _groups(entries: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _saved_groups(folder: Path, metadata: Metadata) -> dict[int, dict[str, Any]]:
-    """The checkpoint's param groups' ``params`` and ``algorithm``: a few small entries, read by this
-    rank alone through DCP's reader and planner protocol (no collective), before anything is loaded."""
-    keys = metadata.state_dict_metadata
-    indices = {int(m.group(1)) for key in keys if (m := _GROUP_KEY.fullmatch(key))}
-    names = (f"optim.param_groups.{i}.{entry}" for i in indices for entry in _GROUP_ENTRIES)
-    wanted: dict[str, Any] = {name: None for name in names if name in keys}
-    if wanted:
-        reader, planner = FileSystemReader(str(folder)), DefaultLoadPlanner(allow_partial_load=True)
-        planner.set_up_planner(wanted, metadata, True)
-        reader.set_up_storage_reader(metadata, True)
-        plan = reader.prepare_global_plan([reader.prepare_local_plan(planner.create_local_plan())])[0]
-        reader.read_data(planner.finish_plan(plan), planner).wait()
-    groups = _groups(wanted)
-    return {i: groups.get(i, {}) for i in indices}
-
-
 def _group_problems(i: int, here: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
     problems = []
     algorithms = here.get("algorithm"), saved.get("algorithm")
@@ -288,14 +331,13 @@ def _group_problems(i: int, here: Mapping[str, Any], saved: Mapping[str, Any]) -
     return problems
 
 
-def _check_groups(folder: Path, flat_state: Mapping[str, Any], metadata: Metadata) -> None:
+def _check_groups(folder: Path, flat_state: Mapping[str, Any], theirs: dict[int, dict[str, Any]]) -> None:
     """The optimizer's groups must be the checkpoint's, index by index: the same algorithm and the
     same parameter FQNs. DCP restores hyperparameters by group index and state by FQN, so another
     split or order would put one group's settings on another's parameters."""
     ours = _groups(flat_state)
     if not ours:
         return
-    theirs = _saved_groups(folder, metadata)
     if theirs and len(ours) != len(theirs):
         raise CheckpointError(
             f"{folder}: the optimizer was saved with {len(theirs)} param group(s) but has {len(ours)}; "

@@ -11,23 +11,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._sharding.blocks import Block
 from .._sharding.param_layout import local_of
 from ..sharding import layout_of
 from ._warnings import single_process
-from .manifest import CheckpointError
+from .manifest import CheckpointError, verify_folder
+from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
 
 __all__ = ["export_safetensors", "load_safetensors"]
 
@@ -38,7 +39,9 @@ WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 
 def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    """The ``prefix`` tensors of a step folder, after every file was checked against its manifest."""
+    files = sorted(verify_folder(folder)["files"])
+    metadata = read_metadata(folder, files).state_dict_metadata
     state = {
         key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in metadata.items()
@@ -46,8 +49,12 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
     }
     if not state:
         raise CheckpointError(f"{folder} holds no tensors under '{prefix}'")
-    with single_process():  # "assuming the intent is to load in a single process": it is
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    reader, planner = SafeReader(folder, files), SafeLoadPlanner()
+    try:
+        with single_process():  # "assuming the intent is to load in a single process": it is
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as e:  # a BaseException
+        raise CheckpointError(f"{folder}: DCP could not read the checkpoint: {e}") from e
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 
@@ -76,7 +83,9 @@ def export_safetensors(
 
     Names lose ``prefix`` (``model.layers.0.q.weight`` -> ``layers.0.q.weight``), so a checkpoint of a
     Hugging Face model exports under the names ``from_pretrained`` expects. With ``max_shard_bytes``
-    the weights are split into ``model-0000i-of-0000n.safetensors`` plus an index file.
+    the weights are split into ``model-0000i-of-0000n.safetensors`` plus an index file. The folder
+    is checked as ``load_checkpoint`` checks it (manifest, every file's size and CRC-32) before
+    anything is read or written; a failure is a CheckpointError naming the file.
     """
     tensors = _read_tensors(Path(checkpoint), prefix)
     if dtype is not None:
@@ -105,16 +114,46 @@ def _file_of(path: Path) -> dict[str, Path]:
     from its index or its single ``model.safetensors``."""
     index = path / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        return _indexed(index)
     single = path if path.is_file() else path / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(
             f"{path}: no safetensors file there (neither model.safetensors nor {INDEX}); pass the "
             "folder save_pretrained or export_safetensors wrote, or a .safetensors file"
         )
-    with safe_open(str(single), framework="pt") as f:
+    with _opened(single) as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+
+def _indexed(index: Path) -> dict[str, Path]:
+    """The index's weight map, every file a file of the index's own folder that exists."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e!r}); export or download it again") from e
+    if type(weight_map) is not dict:
+        raise CheckpointError(f"{index}: 'weight_map' is not a map of tensor names to files")
+    for name, file in weight_map.items():
+        if not is_file_name(file):
+            raise CheckpointError(
+                f"{index}: {name!r} is in {file!r}, not a file name of the index's folder; nothing was loaded"
+            )
+        if not (index.parent / file).is_file():
+            raise CheckpointError(f"{index}: {name!r} is in {file!r}, which is missing; nothing was loaded")
+    return {name: index.parent / file for name, file in weight_map.items()}
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """``safe_open``, its refusal of a truncated or damaged file a CheckpointError naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({e}); export or download it again"
+        ) from e
+    with handle as f:
+        yield f
 
 
 def _unwrapped(name: str) -> str:
@@ -134,11 +173,19 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the file headers alone."""
-    shapes = {}
+    """Every tensor's shape, from the file headers alone (each file opened, so checked whole:
+    safetensors refuses a file its header does not cover exactly)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    misplaced: list[str] = []
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})  # noqa: SIM118
+        with _opened(file) as f:
+            here = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+        misplaced += [f"{n} ({file.name})" for n, where in files.items() if where == file and n not in here]
+        shapes.update(here)
+    if misplaced:
+        raise CheckpointError(
+            f"the index puts tensors in files that do not hold them: {_listed(misplaced)}; nothing was loaded"
+        )
     return shapes
 
 
