@@ -26,7 +26,7 @@ from torch import nn
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor._sharding import comm
+from muon_dtensor.checkpoint import collectives
 from muon_dtensor.testing import run_ranks as run_fresh
 from tests.models import build, full, model_grads, step_together
 from tests.ranks import run_ranks
@@ -349,6 +349,6 @@ def first_errors() -> list[tuple[str, str, bool] | None]:
     ]
     out: list[tuple[str, str, bool] | None] = []
     for mine in cases:
-        first = comm.first_error(mine, None)
+        first = collectives.first_error(mine, None)
         out.append(None if first is None else (type(first).__name__, str(first), first is mine))
     return out

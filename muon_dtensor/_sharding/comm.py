@@ -1,18 +1,13 @@
-"""Every collective muon_dtensor issues, and every process group it creates, lives here.
-
-Three kinds: a small integer all-reduce for the preflight (so every rank sees every rank's input
-problems before any data moves), the all-to-all that carries matrix blocks to their owners and back,
-and the checkpoint helpers' object broadcasts, gathers and barriers (``first_error`` turns one rank's
-failure into the same exception on every rank). Blocks travel in the Newton-Schulz dtype (bfloat16
-by default): the owner casts to it anyway, so sending it halves the bytes and changes no bit of the
-result. Groups are cached per default process group, so they are dropped with it
-(``destroy_process_group``) and a new one starts afresh.
+"""The step's collectives: small integer sums and maxima for the checks and QK-Clip (on the host
+where the groups have a CPU backend), object gathers, and the all-to-all that carries matrix blocks
+to their owners and back. Blocks travel in the Newton-Schulz dtype (bfloat16 by default): the owner
+casts to it anyway, so sending it halves the bytes and changes no bit of the result. Process groups
+are created in ``groups.py``; the checkpoint's own collectives are in ``checkpoint/collectives.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import pickle
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,9 +21,6 @@ from .._compat import has_cpu_backend
 
 __all__ = [
     "CommStats",
-    "barrier",
-    "broadcast_object",
-    "first_error",
     "gather_objects",
     "gather_over_scope",
     "max_over_group",
@@ -159,7 +151,6 @@ def gather_over_scope(value: Any, scope: DeviceMesh | dist.ProcessGroup) -> dict
     return out
 
 
-# ------------------------------------------------------------------ checkpoint helpers' collectives
 def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This rank's index and the rank count of ``group`` (0 and 1 without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -171,20 +162,6 @@ def _solo(group: dist.ProcessGroup | None) -> bool:
     return rank_and_size(group)[1] == 1
 
 
-def barrier(group: dist.ProcessGroup | None) -> None:
-    if not _solo(group):
-        dist.barrier(group=group)
-
-
-def broadcast_object(value: Any, group: dist.ProcessGroup | None) -> Any:
-    """Group rank 0's ``value`` on every rank (so all ranks take the same decision)."""
-    if _solo(group):
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
 def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's ``value``, in group rank order, on every rank."""
     if _solo(group):
@@ -192,34 +169,6 @@ def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
-
-
-def first_error(error: BaseException | None, group: dist.ProcessGroup | None) -> BaseException | None:
-    """The error of the first rank of ``group`` (in rank order) that has one, or None when no rank
-    has: every rank gets the same answer and can raise it, so no rank is left waiting in the next
-    collective for one that raised. Collective (one object gather). The failing rank gets its own
-    exception back (with its traceback); an exception that does not survive pickling travels as a
-    ``RuntimeError`` with its text."""
-    if _solo(group):
-        return error
-    mine = _portable(error)
-    errors = gather_objects(mine, group)
-    first = next((rank for rank, e in enumerate(errors) if e is not None), None)
-    if first is None:
-        return None
-    return error if first == rank_and_size(group)[0] and mine is error else errors[first]
-
-
-def _portable(error: BaseException | None) -> BaseException | None:
-    if error is None:
-        return None
-    try:
-        copy = pickle.loads(pickle.dumps(error))
-        if type(copy) is type(error) and str(copy) == str(error):
-            return error
-    except Exception:  # noqa: BLE001 - any pickling failure: send the text instead
-        pass
-    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def start_all_to_all(

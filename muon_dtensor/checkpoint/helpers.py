@@ -13,7 +13,7 @@ name; only then does the checkpoint exist. The folder must be on a file system e
 
 A save or load never leaves a rank waiting in a collective for one that failed: arguments are
 checked locally before any collective; a step of rank 0's own file work (making the folder,
-publishing) ends in ``comm.first_error``, so every rank raises the same error; DCP's own failures
+publishing) ends in ``collectives.first_error``, so every rank raises the same error; DCP's own failures
 already reach every rank. A load checks files, tensors and param groups before it changes anything.
 """
 
@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .._sharding import comm, groups
+from .._sharding import groups
+from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
 from .manifest import (
@@ -90,7 +91,7 @@ def _saved_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any
 
 def _raise_together(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
     """Collective: if any rank failed, every rank raises the first failing rank's error."""
-    first = comm.first_error(error, group)
+    first = collectives.first_error(error, group)
     if first is not None:
         raise first
 
@@ -121,7 +122,7 @@ def _prepare(
 
     def claim() -> None:
         _refuse_taken(final, asynchronous)
-        if comm.rank_and_size(group)[0] == 0:
+        if collectives.rank_and_size(group)[0] == 0:
             if final.exists():
                 raise FileExistsError(
                     f"{final} already exists; checkpoints are never overwritten, use a new step"
@@ -176,9 +177,9 @@ def _finalize(
 ) -> Path:
     """Checksums from every rank, then rank 0 publishes: manifest, rename, prune. A failure on any
     rank (a file that cannot be read back, a full disk, a read-only root) raises on every rank."""
-    rank, world = comm.rank_and_size(group)
+    rank, world = collectives.rank_and_size(group)
     mine, error = _attempt(lambda: {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")})
-    parts = comm.gather_objects(mine, group)
+    parts = collectives.gather_objects(mine, group)
     _raise_together(error, group)
     if rank == 0:
         records = {k: v for part in parts for k, v in part.items()}
@@ -289,7 +290,7 @@ def latest_step(root: str | os.PathLike) -> int | None:
 
 def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Every rank checks a share of the files; every rank raises the same error naming them."""
-    rank, world = comm.rank_and_size(group)
+    rank, world = collectives.rank_and_size(group)
 
     def check() -> tuple[dict[str, Any], list[str]]:
         manifest = read_manifest(folder)
@@ -298,7 +299,7 @@ def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     checked, error = _attempt(check)
     _raise_together(error, group)
     manifest, problems = checked
-    everyone = sorted(p for part in comm.gather_objects(problems, group) for p in part)
+    everyone = sorted(p for part in collectives.gather_objects(problems, group) for p in part)
     if everyone:
         raise CheckpointError("checkpoint files failed verification: " + "; ".join(everyone))
     return manifest
@@ -324,7 +325,7 @@ def load_checkpoint(
     switching from another optimizer.
     """
     fresh = check_optimizer_state(optimizer_state, optimizer)
-    chosen, error = comm.broadcast_object(
+    chosen, error = collectives.broadcast_object(
         _attempt(lambda: step if step is not None else latest_step(root)), process_group
     )
     if error is not None:
@@ -337,7 +338,7 @@ def load_checkpoint(
     _raise_together(_attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
     _read(folder, manifest["files"], state, process_group)
     _apply(state, model, optimizer, fresh)
-    if fresh and comm.rank_and_size(process_group)[0] == 0:
+    if fresh and collectives.rank_and_size(process_group)[0] == 0:
         log.warning(
             "load_checkpoint(optimizer_state='fresh'): loaded the model weights of %s; the optimizer "
             "starts fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used",
