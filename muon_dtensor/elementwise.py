@@ -190,7 +190,7 @@ def apply_results(
 
     Scaled bucket by bucket, so no parameter-sized scaled tensor is allocated (fresh memory costs
     page faults on CPU; docs/benchmarks.md)."""
-    results = [o.reshape(p.shape) for o, p in zip(results, params)]
+    results = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(results, params)]
     for index, (p, o) in buckets([list(params), results]):
         scaled = [torch.empty(t.shape, dtype=t_p.dtype, device=t.device) for t, t_p in zip(o, p)]
         scale_updates(o, scaled, [lrs[i] for i in index])
@@ -205,11 +205,21 @@ def apply_updates(
         apply_muon_update(p, u, lr=lr, weight_decay=weight_decay)
 
 
+def _scalar_op(name: str, tensors: list[Tensor], scalar: float, *, inplace: bool) -> list[Tensor]:
+    """``torch._foreach_<name>[_](tensors, scalar)`` where that keeps the scalar in fp32 math (fp32
+    and fp64 lists; see ``_mul_``), else the same op one tensor at a time."""
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        op = getattr(torch, f"_foreach_{name}_" if inplace else f"_foreach_{name}")
+        out = op(tensors, scalar)
+        return tensors if inplace else list(out)
+    return [getattr(t, f"{name}_" if inplace else name)(scalar) for t in tensors]
+
+
 def adamw_update(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
     *,
     step: int,
     lr: float,
@@ -217,12 +227,21 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step with torch.optim.AdamW's meaning (decoupled decay, bias correction)."""
+    """One AdamW step with torch.optim.AdamW's meaning (decoupled decay, bias correction) on lists of
+    tensors that share ``step``: multi-tensor ops, each one rounding per element, in the order of
+    torch's single-tensor AdamW."""
+    if not params:
+        return
+    p, g, m, v = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     beta1, beta2 = betas
-    param.mul_(1.0 - lr * weight_decay)
-    exp_avg.mul_(beta1).add_(grad.mul(1.0 - beta1))
-    exp_avg_sq.mul_(beta2).add_(grad.mul(grad).mul_(1.0 - beta2))
+    _scalar_op("mul", p, 1.0 - lr * weight_decay, inplace=True)
+    _scalar_op("mul", m, beta1, inplace=True)
+    torch._foreach_add_(m, _scalar_op("mul", g, 1.0 - beta1, inplace=False))
+    _scalar_op("mul", v, beta2, inplace=True)
+    torch._foreach_add_(v, _scalar_op("mul", list(torch._foreach_mul(g, g)), 1.0 - beta2, inplace=True))
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
-    param.sub_(exp_avg.div(denom).mul_(lr / bias_correction1))
+    denom = _scalar_op("div", list(torch._foreach_sqrt(v)), bias_correction2_sqrt, inplace=True)
+    _scalar_op("add", denom, eps, inplace=True)
+    update = _scalar_op("mul", list(torch._foreach_div(m, denom)), lr / bias_correction1, inplace=True)
+    torch._foreach_sub_(p, update)

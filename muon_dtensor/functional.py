@@ -34,6 +34,7 @@ from .elementwise import (
     adjust_lr,
     apply_results,
     apply_updates,
+    buckets,
     nesterov_inputs,
     scale_results,
 )
@@ -207,9 +208,17 @@ def adamw_step(
     """torch.optim.AdamW on local tensors, in place; each ``steps`` counter is incremented first.
 
     The counters are CPU tensors (as torch.optim.AdamW keeps them unless ``capturable``), so reading
-    one for the bias correction never waits for the device."""
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        step += 1
-        adamw_update(
-            p, g, m, v, step=int(step), lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
-        )
+    them for the bias correction never waits for the device. Parameters that share a count step
+    together, in buckets, with multi-tensor ops: a handful of ops per step, not per parameter."""
+    if not params:
+        return
+    torch._foreach_add_(list(steps), 1.0)
+    by_count: dict[int, list[int]] = {}
+    for i, count in enumerate(torch.stack(list(steps)).tolist()):
+        by_count.setdefault(int(count), []).append(i)
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    for count, members in by_count.items():
+        for _, (p, g, m, v) in buckets([[t[i] for i in members] for t in lists]):
+            adamw_update(
+                p, g, m, v, step=count, lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
+            )

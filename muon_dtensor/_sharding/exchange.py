@@ -61,6 +61,9 @@ def _assemble(full: Tensor, block: Block, piece: Tensor) -> None:
 
 def _cut(full: Tensor, block: Block) -> Tensor:
     """A block of a full matrix: a view when it is one rectangle, else a copy in block order."""
+    rows, cols = block
+    if len(rows) == 1 and cols == ((0, full.shape[-1]),):  # full-width rows: one slice, one op
+        return full[rows[0][0] : rows[0][1]]
     rects = list(_rects(block))
     if len(rects) == 1:
         return full[rects[0][0], rects[0][1]]
@@ -75,7 +78,11 @@ def _run_views(buffer: Tensor, matrix: Tensor, run: Run) -> tuple[Tensor, Tensor
     cols = matrix.shape[-1]
     size, stride = (run.count, run.rows, cols), (run.stride, cols, 1)
     flat = buffer.as_strided(size, stride, buffer.storage_offset() + run.offset)
-    return flat, matrix[run.row : run.row + run.count * run.rows].unflatten(0, (run.count, run.rows))
+    if matrix.is_contiguous():  # assembled here, or a result: its run of rows is one strided view
+        rows = matrix.as_strided(size, (run.rows * cols, cols, 1), matrix.storage_offset() + run.row * cols)
+    else:
+        rows = matrix[run.row : run.row + run.count * run.rows].unflatten(0, (run.count, run.rows))
+    return flat, rows
 
 
 def _to_owners(

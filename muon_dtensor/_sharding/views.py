@@ -57,7 +57,7 @@ class View:
         t = local[c.expert] if c.expert is not None else local
         if t.ndim == 0 or t.numel() == 0 or c.rows == _EMPTY:
             return local.new_empty((0, 0))
-        t = t.reshape(t.shape[0], -1)
+        t = t if t.ndim == 2 else t.reshape(t.shape[0], -1)
         rows = t[c.rows[0][0] : c.rows[0][1]] if len(c.rows) == 1 else torch.cat([t[a:b] for a, b in c.rows])
         if c.cols is None:
             return rows
