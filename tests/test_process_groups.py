@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from muon_dtensor._sharding import groups
-from muon_dtensor.checkpoint import collectives
 from muon_dtensor.testing import run_ranks
 
 
@@ -40,7 +39,7 @@ def restart_in_process(store: str) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world, 1, 1))
     second, second_save = groups.exchange_group(mesh, (0, 1)), groups.save_group(None)
-    collectives.barrier(second_save)
+    dist.barrier(group=second_save)
     gc.collect()
     return {
         "before": before,
