@@ -1,10 +1,9 @@
 """QK-Clip (Kimi K2's MuonClip, arXiv 2507.20534, section 2.1) on plain or sharded q/k weights.
 
-After an optimizer step, a head ``h`` whose largest pre-softmax logit ``s_h`` (``q.k / sqrt(head_dim)``,
-max over the step's batch) exceeds ``threshold`` gets its query rows scaled by
-``(threshold / s_h) ** alpha`` and its key rows by ``(threshold / s_h) ** (1 - alpha)``: the product
-is ``threshold / s_h``, so that head's largest logit on that batch becomes ``threshold``. Heads at or
-below the threshold are untouched. Only the weights change; optimizer state (momentum) does not.
+After an optimizer step, a head ``h`` whose largest pre-softmax logit ``s_h`` (``q.k / sqrt(head_dim)``
+over the step's batch) exceeds ``threshold`` gets its query rows scaled by ``(threshold / s_h) ** alpha``
+and its key rows by ``(threshold / s_h) ** (1 - alpha)``, so its largest logit on that batch becomes
+``threshold``. Only the weights change; optimizer state (momentum) does not.
 
 Every rank must scale by the same factors, so ``s_h`` is the MAX over every rank of the weights'
 mesh before anything is computed from it (ms-swift's MuonClip applied process-local maxima and its
@@ -157,8 +156,7 @@ def _check_layer(entry: object, head_dim: int) -> tuple[int, int]:
             f"q_weight has {heads} heads and k_weight {kv_heads} (head_dim={head_dim}): the query heads "
             "should be a multiple of the key heads; check head_dim and the order of q_weight, k_weight"
         )
-    qm, km = (w.device_mesh if isinstance(w, DTensor) else None for w in (q, k))
-    if qm != km:
+    if (qm := getattr(q, "device_mesh", None)) != (km := getattr(k, "device_mesh", None)):
         raise ValueError(
             f"q_weight and k_weight should be on the same device mesh (or both plain tensors) but q_weight "
             f"is on {qm} and k_weight on {km}; pass the q and k weights of one attention layer"
@@ -189,24 +187,19 @@ def _prepare(
 
 
 # ----------------------------------------------------------------------------- agreement
-def _number(x: object) -> object:
-    """A threshold or alpha as compared between ranks: 100 and 100.0 agree."""
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else plain(x)
-
-
 def _text(w: object) -> str:
-    if not isinstance(w, Tensor):
-        return type(w).__name__
-    return f"{w.dtype} of shape {tuple(w.shape)}" + (f" {w.placements}" if isinstance(w, DTensor) else "")
+    placed = f" {w.placements}" if isinstance(w, DTensor) else ""
+    return f"{w.dtype} of shape {tuple(w.shape)}{placed}" if isinstance(w, Tensor) else type(w).__name__
 
 
 def _description(
     fn: str, layers: list[_Layer], head_dim: Any, threshold: Any, alpha: Any
 ) -> list[tuple[str, Any]]:
-    """What every rank of a scope must pass alike, as (argument, value) pairs."""
+    """What every rank of a scope must pass alike, as (argument, value) pairs (100 and 100.0 agree)."""
+    t, a = (float(x) if type(x) in (int, float) else plain(x) for x in (threshold, alpha))
     out = [
-        ("the call", fn), ("head_dim", plain(head_dim)), ("threshold", _number(threshold)),
-        ("alpha", _number(alpha)), ("the layers", tuple(layer.name for layer in layers)),
+        ("the call", fn), ("head_dim", plain(head_dim)), ("threshold", t), ("alpha", a),
+        ("the layers", tuple(layer.name for layer in layers)),
     ]  # fmt: skip
     for layer in layers:
         out += [(f"{layer.where}q_weight", _text(layer.q)), (f"{layer.where}k_weight", _text(layer.k))]
@@ -228,8 +221,7 @@ def _gather_all(value: Any, scope: Scope) -> dict[int, Any]:
 def _disagreement(fn: str, scope: Scope, desc: list[tuple[str, Any]]) -> str:
     """The digests differ: the first argument in which two ranks differ, with both values."""
     everyone = _gather_all(desc, scope)
-    ranks = sorted(everyone)
-    first = everyone[ranks[0]]
+    ranks, first = sorted(everyone), everyone[min(everyone)]
     other = next((r for r in ranks if repr(everyone[r]) != repr(first)), ranks[0])
     pairs = itertools.zip_longest(first, everyone[other], fillvalue=("", "nothing"))
     (key, a), (key_b, b) = next((x for x in pairs if repr(x[0]) != repr(x[1])), (("", ""), ("", "")))
@@ -249,10 +241,10 @@ def _shared_error(scope: Scope, error: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- collective
-# Floats in the first all-reduce of every scope, whatever the arguments: ranks that disagree about
-# them still meet in collectives of one size, and learn of it before any other collective.
-_FIRST = 4096
-_HEAD = 7  # the digest's three pieces, their negatives (MAX gives both max and min), a failure flag
+# The first all-reduce of a scope holds 4,096 floats whatever the arguments: ranks that disagree
+# still meet in collectives of one size. Its head: the digest's pieces, their negatives (MAX gives
+# both max and min), a failure flag.
+_FIRST, _HEAD = 4096, 7
 
 
 def _scope_of(q: object) -> Scope:
@@ -280,14 +272,12 @@ def _local_values(x: object, heads: int, device: torch.device) -> tuple[Tensor, 
 
 
 def _body(layers: list[_Layer], rank: int) -> tuple[Tensor, Tensor]:
-    """``[wrong per layer, broken per layer, every layer's values]``, float32 on the host, a flag
-    being rank + 1 where this rank's max_logits has the wrong type or shape, or NaN or +inf; and
-    this rank's flags as 0 or 1. One copy from the device for all layers."""
+    """``[wrong per layer, broken per layer, values]`` as float32 on the host (a flag: rank + 1 where
+    max_logits has the wrong type or shape, or NaN or +inf), and this rank's flags as 0 or 1."""
     device = next((x.device for x in (layer.logits for layer in layers) if isinstance(x, Tensor)), None)
     got = [_local_values(layer.logits, layer.heads, device or torch.device("cpu")) for layer in layers]
     broken = torch.stack([(v.isnan() | (v == math.inf)).any() for v, _ in got]).float()
-    host = torch.cat([broken, *(v for v, _ in got)]).cpu()
-    n = len(layers)
+    host, n = torch.cat([broken, *(v for v, _ in got)]).cpu(), len(layers)  # the one copy from the device
     mine = torch.cat([torch.tensor([float(wrong) for _, wrong in got]), host[:n]])
     return torch.cat([mine * (rank + 1), host[n:]]), mine
 
@@ -296,8 +286,7 @@ def _reduce_scope(
     fn: str, scope: Scope, layers: list[_Layer], desc: list[tuple[str, Any]], error: str | None
 ) -> tuple[list[Tensor], str | None]:
     """The MAX over ``scope`` of its layers' max logits (one all-reduce per mesh axis while they fit
-    in ``_FIRST`` floats), with the arguments' digest and every rank's failures, so a disagreement or
-    a failure anywhere is the same error on every rank. Returns the maxima, or the error."""
+    in ``_FIRST`` floats) with the arguments' digest and every rank's failures; or the error."""
     rank = dist.get_rank() if scope is not None else 0
     pieces = digest_pieces(repr(desc))
     head = torch.tensor([*pieces, *(-p for p in pieces), float(error is not None)])
@@ -401,13 +390,11 @@ def qk_clip_all_(
     ``threshold`` and ``alpha`` as for ``qk_clip_``, one for all layers. Returns each layer's
     ``QKClipFactors`` in order. Any error on any rank raises on every rank before a weight changes.
     """
-    if isinstance(layers, Mapping):
-        items = [(f"layer {name!r}: ", str(name), entry) for name, entry in layers.items()]
-    elif isinstance(layers, (list, tuple)):
-        items = [(f"layer {i}: ", str(i), entry) for i, entry in enumerate(layers)]
-    else:
+    if not isinstance(layers, (Mapping, list, tuple)):
         raise ValueError(
             f"qk_clip_all_: layers should be a dict of name: (q_weight, k_weight, max_logits) or a list of "
             f"such tuples but is a {type(layers).__name__}"
         )
+    named = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
+    items = [(f"layer {name!r}: ", str(name), entry) for name, entry in named]
     return _clip("qk_clip_all_", items, head_dim, threshold, alpha)

@@ -204,7 +204,8 @@ EXPECTED = {  # case: what every rank's error says
     "head_dim": "ranks disagree about head_dim: 4 on rank 0, 2 on rank 1",
     "threshold": "ranks disagree about threshold: 100.0 on rank 0, 50.0 on rank 1",
     "alpha": "ranks disagree about alpha: 0.5 on rank 0, 0.25 on rank 1",
-    "order": "ranks disagree about the layers: ('block0', 'block1') on rank 0, ('block1', 'block0') on rank 1",
+    "order": "ranks disagree about the layers: ('block0', 'block1') on rank 0, "
+    "('block1', 'block0') on rank 1",
     "layers": "ranks disagree about the layers: ('block0', 'block1') on rank 0, ('block0',) on rank 1",
     "shape": "ranks disagree about q_weight: 'torch.float32 of shape (8, 10)' on rank 0, "
     "'torch.float32 of shape (12, 10)' on rank 1",
