@@ -6,7 +6,7 @@ from ._sharding.plan import MatrixEntry, Plan, build_plan
 from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 from .optimizer import ADAMW_DEFAULTS, Muon
 from .param_groups import split_params
-from .qk_clip import QKClipFactors, qk_clip_, qk_clip_factors
+from .qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
 from .validation import resolve_ns_config
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "newton_schulz",
     "orthogonalize",
     "qk_clip_",
+    "qk_clip_all_",
     "qk_clip_factors",
     "resolve_ns_config",
     "split_params",

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from .qk_clip import local_rows
+from .qk_clip import QKClipFactors, local_rows, qk_clip_all_
 
 __all__ = ["MaxLogits", "causal_max", "head_ids", "local_part", "record_llama_logits"]
 
@@ -38,11 +38,15 @@ class MaxLogits:
 
     ``values[name]`` is a float32 ``[num_heads]`` tensor for the layer (module) ``name``: the largest
     logit each query head produced since the last ``reset()``; ``-inf`` for heads this rank did not
-    compute. Use as a context manager, or call ``remove()`` to take the hooks off.
+    compute. ``projections[name]``, where known, is the layer's (q projection, k projection,
+    head_dim), for ``clip_``. Use as a context manager, or call ``remove()`` to take the hooks off.
     """
 
-    def __init__(self, heads: dict[str, int]) -> None:
+    def __init__(
+        self, heads: dict[str, int], projections: dict[str, tuple[nn.Linear, nn.Linear, int]] | None = None
+    ) -> None:
         self.heads = dict(heads)
+        self.projections = dict(projections or {})
         self.values: dict[str, Tensor] = {}
         self.handles: list[RemovableHandle] = []
         self.reset()
@@ -54,6 +58,24 @@ class MaxLogits:
     def largest(self) -> float:
         """The largest value recorded on this rank over every layer and head (``-inf`` if none)."""
         return max((float(v.max()) for v in self.values.values() if v.numel()), default=-math.inf)
+
+    def clip_(
+        self, *, threshold: float = 100.0, alpha: float = 0.5, values: dict[str, Tensor] | None = None
+    ) -> dict[str, QKClipFactors]:
+        """QK-Clip every layer in ``projections`` with ``values`` (default: this recorder's), by
+        ``qk_clip_all_``: one MAX all-reduce per mesh axis for all layers (one call per distinct
+        head_dim). Collective, like ``qk_clip_all_``; returns each layer's factors by name."""
+        values = self.values if values is None else values
+        out: dict[str, QKClipFactors] = {}
+        for head_dim in sorted({d for _, _, d in self.projections.values()}):
+            layers = {
+                # a missing entry is None: qk_clip_all_ then raises on every rank
+                n: (q.weight, k.weight, cast(Tensor, values.get(n)))
+                for n, (q, k, d) in self.projections.items()
+                if d == head_dim
+            }
+            out.update(zip(layers, qk_clip_all_(layers, head_dim=head_dim, threshold=threshold, alpha=alpha)))
+        return {n: out[n] for n in self.projections}
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -136,7 +158,10 @@ def record_llama_logits(model: nn.Module) -> MaxLogits:
             'load it with attn_implementation="eager" (or call model.set_attn_implementation("eager"))'
         )
     layers = {n: m for n, m in model.named_modules() if isinstance(m, LlamaAttention)}
-    rec = MaxLogits({n: m.q_proj.weight.shape[0] // m.head_dim for n, m in layers.items()})
+    rec = MaxLogits(
+        {n: m.q_proj.weight.shape[0] // m.head_dim for n, m in layers.items()},
+        {n: (m.q_proj, m.k_proj, int(m.head_dim)) for n, m in layers.items()},
+    )
     for name, attn in layers.items():
         # prepend: run before a fully_shard post-forward hook on the module reshards its weights
         rec.handles.append(attn.register_forward_hook(_llama_hook(rec, name), with_kwargs=True, prepend=True))

@@ -1,4 +1,4 @@
-"""Per-head max logits of the demo's ``TinyLM``, for QK-Clip (``muon_dtensor.qk_clip_``).
+"""Per-head max logits of the demo's ``TinyLM``, for QK-Clip (``MaxLogits.clip_``, ``qk_clip_all_``).
 
 Its blocks call ``F.scaled_dot_product_attention``, which never exposes its scores, so the hooks
 take the ``q`` and ``k`` projections' outputs (the exact tensors SDPA receives) and apply SDPA's
@@ -46,7 +46,10 @@ def _watch_demo_block(rec: MaxLogits, name: str, block: Any) -> None:
 def record_demo_logits(model: nn.Module) -> MaxLogits:
     """Hooks on every ``Block`` of ``model``; ``values`` keyed by block name."""
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, Block)}
-    rec = MaxLogits({n: b.q.weight.shape[0] // b.head_dim for n, b in blocks.items()})
+    rec = MaxLogits(
+        {n: b.q.weight.shape[0] // b.head_dim for n, b in blocks.items()},
+        {n: (b.q, b.k, int(b.head_dim)) for n, b in blocks.items()},
+    )
     for name, block in blocks.items():
         _watch_demo_block(rec, name, block)
     return rec

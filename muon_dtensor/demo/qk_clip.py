@@ -1,7 +1,8 @@
 """The demo's ``--qk-clip``: QK-Clip after every optimizer step, with the largest logit before and after.
 
-After each step every block's q and k weights go through ``muon_dtensor.qk_clip_`` with the step's
-per-head max logits (``demo/logits.record_demo_logits``). For the report the same
+After each step every block's q and k weights go through ``muon_dtensor.qk_clip_all_`` (one MAX
+all-reduce per mesh axis for all blocks) with the step's per-head max logits
+(``demo/logits.record_demo_logits``). For the report the same
 micro-batches run forward twice more, without gradients: with the updated weights before and after
 clipping. Both optimizers' runs clip alike, so each is still compared with its own uninterrupted twin.
 """
@@ -16,10 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from muon_dtensor._sharding import comm
-from muon_dtensor.qk_clip import qk_clip_
 
 from .logits import record_demo_logits
-from .model import Block
 
 __all__ = ["DEFAULT_THRESHOLD", "StepClip", "describe", "same_after_resume", "table"]
 
@@ -30,11 +29,10 @@ DEFAULT_THRESHOLD = 5.0
 
 class StepClip:
     """QK-Clip for one rank's model: ``start()`` before a step's forward passes, ``finish()`` after
-    the optimizer step. Collective (``qk_clip_`` and one MAX per step)."""
+    the optimizer step. Collective (``qk_clip_all_`` and one MAX per measuring pass)."""
 
     def __init__(self, model: nn.Module, threshold: float) -> None:
         self.model, self.threshold = model, threshold
-        self.blocks = {n: m for n, m in model.named_modules() if isinstance(m, Block)}
         self.logits = record_demo_logits(model)
 
     def start(self) -> None:
@@ -46,17 +44,9 @@ class StepClip:
         the updated weights before clipping and after clipping, and the number of heads clipped."""
         read = {name: v.clone() for name, v in self.logits.values.items()}
         before = self._measure(batches)
-        largest, clipped = -math.inf, 0
-        for name, block in self.blocks.items():
-            done = qk_clip_(
-                block.q.weight,
-                block.k.weight,
-                read[name],
-                head_dim=block.head_dim,
-                threshold=self.threshold,
-            )
-            largest = max(largest, float(done.max_logits.max()))
-            clipped += int((done.max_logits > self.threshold).sum())
+        done = self.logits.clip_(threshold=self.threshold, values=read).values()
+        largest = max((float(d.max_logits.max()) for d in done), default=-math.inf)
+        clipped = sum(int((d.max_logits > self.threshold).sum()) for d in done)
         return largest, before, self._measure(batches), clipped
 
     @torch.no_grad()
@@ -75,7 +65,7 @@ class StepClip:
 
 def describe(threshold: float) -> str:
     return (
-        f"QK-Clip (--qk-clip {threshold:g}, muon_dtensor.qk_clip_, Kimi K2's MuonClip): after every optimizer step, "
+        f"QK-Clip (--qk-clip {threshold:g}, muon_dtensor.qk_clip_all_, Kimi K2's MuonClip): after every optimizer step, "
         "each attention head whose largest\nlogit q.k/sqrt(head_dim) in the step's forward passes (MAX over "
         f"all ranks) exceeds {threshold:g} has its q and k rows scaled by sqrt({threshold:g}/logit) each.\n"
         "The last two columns are extra forward passes over the step's batch with the updated weights, before "
