@@ -19,11 +19,14 @@ scope does not count as a parent) and the collectives (top-level ``c10d::`` ops,
 worker-thread events for the same collective are not counted again), on the rank with the most ops.
 Host time: timed steps alternate between the contenders, each after a barrier; a step's time is
 its slowest rank's, the table shows the median. "ops added per layer" is (ops(2L) - ops(L)) / L.
-Second case: 1,000 matrices of 16 x 16 (250 layers of 4), 2 ranks: host time against AdamW, and
-each contender's first step (state, plan and DTensor's sharding-propagation caches are built then);
-not counted, since the profiler takes tens of seconds to list that many events.
+Second case: up to 1,000 matrices of 16 x 16 (250 layers of 4), 2 ranks: host time against AdamW,
+and each contender's first step (state, plan and DTensor's sharding-propagation caches are built
+then); not counted, since the profiler takes tens of seconds to list that many events. AdamW's
+first step on DTensors grows with the square of the matrices and swings with the machine's load
+(docs/benchmarks.md, "Host work per step"), so a probe at 160 matrices picks the most that fit
+``--budget`` (270 s for the whole run); the output says what it picked.
 
-Run from the repository root (about 2 minutes on a 2-core machine)::
+Run from the repository root (under 5 minutes on a 2-core machine)::
 
     python benchmarks/bench_host.py
     python benchmarks/bench_host.py --layers 4 --steps 5 --many-layers 100
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,7 +63,12 @@ CONTENDERS = {
     "muon_dtensor, CUDA batching (always)": ("muon", "always"),
     "torch AdamW foreach": ("adamw", "never"),
 }
-ADAMW = "torch AdamW foreach"
+ADAMW = list(CONTENDERS)[-1]
+PROBE_LAYERS = 40  # the many-matrices case's probe: 160 matrices
+# Plan the case for half the time left: on a shared machine the load moves between the probe and
+# the case, and the square law from a small probe misses either way.
+USABLE = 0.5
+START_UP_S = 20.0  # 2 rank processes importing torch and meeting, on a busy 2-core machine
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_host.json"
 
 
@@ -73,9 +82,7 @@ class LlamaLayer(nn.Module):
         self.down = nn.Linear(FFN, WIDTH, bias=False)
 
 
-class SquareLayer(nn.Module):
-    """Four 16 x 16 matrices, for the many-matrices case."""
-
+class SquareLayer(nn.Module):  # four 16 x 16 matrices, for the many-matrices case
     def __init__(self) -> None:
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
@@ -144,7 +151,7 @@ def _top_level(event: Any) -> bool:
 
 def count_step(opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
     """Inside a rank: one ``opt.step()`` under the profiler, with ``MUON_DTENSOR_NS_BATCH=path``:
-    top-level ``aten::`` ops, collectives (top-level ``c10d::`` ops) and the collectives' names."""
+    top-level ``aten::`` ops, collectives (top-level ``c10d::`` ops), and how many of each name."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -154,8 +161,10 @@ def count_step(opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
             opt.step()
     top = [e.name for e in prof.profiler.function_events if _is_op(e.name) and _top_level(e)]
     collectives = sorted(n for n in top if n.startswith("c10d::"))
+    ops = sorted(n for n in top if n.startswith("aten::"))
     return {
-        "ops": sum(n.startswith("aten::") for n in top),
+        "ops": len(ops),
+        "op_names": {n: ops.count(n) for n in dict.fromkeys(ops)},
         "collectives": len(collectives),
         "collective_names": {n: collectives.count(n) for n in dict.fromkeys(collectives)},
     }
@@ -213,15 +222,40 @@ def rank_measure(
     for n in layers:
         opts = optimizers(sharded_model(n, kind))
         first = warm_up(opts, warmup)
-        nothing = {"ops": 0, "collectives": 0, "collective_names": {}}
-        counts = {
-            label: count_step(opts[k], path) if count else nothing for label, (k, path) in CONTENDERS.items()
-        }
+        counts = {label: count_step(opts[k], p) if count else {} for label, (k, p) in CONTENDERS.items()}
         times = timed_steps(opts, steps)
         out[n] = {
             label: counts[label] | {"times": times[label], "first_s": first[label]} for label in CONTENDERS
         }
     return out
+
+
+def many_layers_within(probe: tuple[float, float], probe_layers: int, seconds: float, most: int) -> int:
+    """Layers of the many-matrices case that fit ``seconds``, from a probe at ``probe_layers``:
+    (AdamW's first step, everything else). torch's sharding propagation of a DTensor foreach op
+    walks the whole list once per element, so AdamW's first step grows with the square of the
+    matrices; the rest grows linearly."""
+    square, linear = max(probe[0], 1e-6), probe[1]
+    x = (-linear + math.sqrt(linear**2 + 4 * square * max(seconds, 0.0))) / (2 * square)
+    return max(probe_layers, min(most, int(probe_layers * x)))
+
+
+def rank_many(most: int, seconds: float, steps: int, warmup: int) -> dict[str, Any]:
+    """Inside a rank: the many-matrices case at the most layers (up to ``most``) that fit ``seconds``
+    after a probe at PROBE_LAYERS; every rank takes the same pick (the slowest rank's probe)."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    probe = rank_measure([PROBE_LAYERS], "square", steps, warmup, count=False)[PROBE_LAYERS][ADAMW]["first_s"]
+    times = torch.tensor([probe, time.perf_counter() - start - probe], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    left = USABLE * (seconds - (time.perf_counter() - start))
+    layers = many_layers_within((times[0].item(), times[1].item()), PROBE_LAYERS, left, most)
+    return {
+        "layers": layers,
+        "probe_s": times.tolist(),
+        "rows": rank_measure([layers], "square", steps, warmup, count=False),
+    }
 
 
 def summarize(per_rank: list[dict[int, dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
@@ -230,12 +264,12 @@ def summarize(per_rank: list[dict[int, dict[str, Any]]], ranks: int) -> list[dic
     for layers in per_rank[0]:
         for label in CONTENDERS:
             at = [r[layers][label] for r in per_rank]
-            busiest = max(at, key=lambda c: c["ops"])
+            busiest = max(at, key=lambda c: c.get("ops", 0))
             slowest = [max(t) for t in zip(*(c["times"] for c in at), strict=True)]
             rows.append(
-                {"contender": label, "ranks": ranks, "layers": layers, "ops": busiest["ops"]}
-                | {"ops_each_rank": [c["ops"] for c in at], "collectives": busiest["collectives"]}
-                | {"collective_names": busiest["collective_names"]}
+                {"contender": label, "ranks": ranks, "layers": layers, "ops": busiest.get("ops")}
+                | {"ops_each_rank": [c.get("ops") for c in at], "collectives": busiest.get("collectives")}
+                | {"collective_names": busiest.get("collective_names"), "op_names": busiest.get("op_names")}
                 | {"median_ms": statistics.median(slowest) * 1e3, "step_ms": [t * 1e3 for t in slowest]}
                 | {"first_step_s": max(c["first_s"] for c in at)}
             )
@@ -294,7 +328,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-sizes", default="2,4", help="comma-separated gloo ranks (2,4)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per contender (15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (2)")
-    p.add_argument("--many-layers", type=int, default=250, help="layers of 4 matrices, second case (250)")
+    p.add_argument(
+        "--many-layers", type=int, default=250, help="most layers of 4 matrices, second case (250)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=270.0, help="s the whole run should take; sizes case 2 (270)"
+    )
     p.add_argument("--many-steps", type=int, default=5, help="timed steps, second case (5)")
     p.add_argument("--timeout", type=float, default=600.0, help="rank timeout, s (600)")
     p.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this many s for a quiet machine")
@@ -302,17 +341,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = "1"
+def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+    """The L and 2L rows at every world size, with ops added per layer."""
     from benchmarks import bench_host
     from muon_dtensor.demo.launch import run_ranks
 
-    load = wait_for_quiet(args.wait_quiet)
-    started = time.perf_counter()
-    sizes = [int(n) for n in args.world_sizes.split(",")]
-    print(f"picked: L = {args.layers} and {2 * args.layers} layers at {sizes} ranks, {args.steps} timed "
-          f"steps; {args.many_layers * 4:,} matrices at 2 ranks, {args.many_steps} timed steps")  # fmt: skip
     depth: list[dict[str, Any]] = []
     for n in sizes:
         layers = [args.layers, 2 * args.layers]
@@ -321,20 +354,43 @@ def main(argv: list[str] | None = None) -> None:
         )
         depth += summarize(per_rank, n)
     per_layer(depth, args.layers)
-    per_rank = run_ranks(
-        bench_host.rank_measure, 2, [args.many_layers], "square", args.many_steps, args.warmup, False,
-        timeout=args.timeout,
-    )  # fmt: skip
-    many = [r | {"ops": None, "collectives": None} for r in summarize(per_rank, 2)]  # not counted
+    return depth
+
+
+def run_many(args: argparse.Namespace, left: float) -> dict[str, Any]:
+    """The many-matrices case in ``left`` seconds: matrices picked, probe seconds, rows."""
+    from benchmarks import bench_host
+    from muon_dtensor.demo.launch import run_ranks
+
+    ranks = run_ranks(bench_host.rank_many, 2, args.many_layers, left, args.many_steps, args.warmup,
+                      timeout=args.timeout)  # fmt: skip
+    rows = summarize([r["rows"] for r in ranks], 2)  # not counted: ops and collectives are None
+    print(f"picked: {4 * ranks[0]['layers']:,} matrices at 2 ranks (at most {4 * args.many_layers:,}; "
+          f"{left:.0f} s left of --budget, AdamW's first step {ranks[0]['probe_s'][0]:.1f} s at "
+          f"{4 * PROBE_LAYERS} matrices), {args.many_steps} timed steps")  # fmt: skip
+    return {"many_matrices": 4 * ranks[0]["layers"], "many_probe_s": ranks[0]["probe_s"], "many_rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    load = wait_for_quiet(args.wait_quiet)
+    started = time.perf_counter()
+    sizes = [int(n) for n in args.world_sizes.split(",")]
+    print(
+        f"picked: L = {args.layers} and {2 * args.layers} layers at {sizes} ranks, {args.steps} timed steps"
+    )
+    depth = run_depth(args, sizes)
+    many = run_many(args, args.budget - (time.perf_counter() - started) - START_UP_S)
     print(format_depth(depth))
     print()
-    print(format_many(many, 4 * args.many_layers))
+    print(format_many(many["many_rows"], many["many_matrices"]))
     if max(sizes) > (os.cpu_count() or 1):
         print(f"NOTE: {max(sizes)} ranks on {os.cpu_count()} cores are oversubscribed (time-shared).")
     elapsed = time.perf_counter() - started
     print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}; run took {elapsed:.0f} s")
     payload = {**system_info(), "avx512_bf16": avx512_bf16(), "config": results_config(args)}
-    payload |= {"load_at_start": load, "elapsed_s": round(elapsed, 1), "depth_rows": depth, "many_rows": many}
+    payload |= {"load_at_start": load, "elapsed_s": round(elapsed, 1), "depth_rows": depth, **many}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results written to {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
