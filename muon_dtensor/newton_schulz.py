@@ -9,6 +9,7 @@ is what lets an owner rank orthogonalize any subset of matrices and still match 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,11 +19,14 @@ from torch import Tensor
 __all__ = [
     "ALGORITHMS",
     "BAND_INPUT_FLOOR",
+    "BATCH_ENV",
+    "BATCH_VALUES",
     "DEFAULT_COEFFICIENTS",
     "GRAM_DRIFT_LIMIT",
     "NSConfig",
     "PRESETS",
     "PRESET_BANDS",
+    "batching",
     "newton_schulz",
     "gram_segments",
     "ns_flops",
@@ -203,16 +207,39 @@ def _gram_segment(
 def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
     """``newton_schulz`` of same-shape matrices, batched where batching pays.
 
-    On CUDA the matrices run as one batched product. On CPU they run one at a time, which is faster
-    with oneDNN's bfloat16 GEMMs (docs/benchmarks.md) and keeps a matrix's bits independent of its
-    batch whatever the BLAS threads; batched, the bits are the same with one thread
-    (tests/test_newton_schulz.py).
+    By default (``MUON_DTENSOR_NS_BATCH=auto``) they run as one batched product on CUDA and one at a
+    time on CPU, which is faster with oneDNN's bfloat16 GEMMs (docs/benchmarks.md) and keeps a
+    matrix's bits independent of its batch whatever the BLAS threads. ``always`` batches on CPU too,
+    so CPU runs count the CUDA path's ops; ``never`` runs one at a time on CUDA too (``batching``).
+    Batched, the bits are the same with one BLAS thread (tests/test_newton_schulz.py).
     """
     if not matrices:
         return []
-    if matrices[0].device.type == "cpu" or len(matrices) == 1:
+    if len(matrices) == 1 or not batching(matrices[0].device.type):
         return [newton_schulz(m, config) for m in matrices]
     return list(newton_schulz(torch.stack(list(matrices)), config).unbind(0))
+
+
+# Read at each call, so a process can switch between steps; checked at import too, so a bad value
+# stops every rank before its first collective (a rank that owns no matrix never calls ``batching``).
+BATCH_ENV = "MUON_DTENSOR_NS_BATCH"
+BATCH_VALUES = ("auto", "always", "never")
+
+
+def batching(device_type: str) -> bool:
+    """Whether ``orthogonalize`` batches same-shape matrices on ``device_type``, per
+    ``MUON_DTENSOR_NS_BATCH``: ``auto`` (the default, also when unset or empty): on every device
+    but CPU; ``always``; ``never``. Any other value raises ``ValueError``."""
+    value = os.environ.get(BATCH_ENV) or "auto"
+    if value not in BATCH_VALUES:
+        raise ValueError(
+            f"{BATCH_ENV} must be one of {', '.join(BATCH_VALUES)} (unset means auto) but is "
+            f"{value!r}; set one of those or unset it"
+        )
+    return value == "always" or (value == "auto" and device_type != "cpu")
+
+
+batching("cpu")
 
 
 def scalar_map(singular_values: Tensor, config: NSConfig) -> Tensor:

@@ -1,0 +1,400 @@
+"""Host work per optimizer step: top-level ops, collectives and host time, Muon against AdamW.
+
+Models of tiny width (16), so the step's matrix products cost next to nothing and what is left is
+the host's work: dispatching ops and issuing collectives. Each model is L or 2L Llama-shaped layers
+(q, o 16 x 16; GQA k, v 8 x 16; gate, up 48 x 16; down 16 x 48, all ``nn.Linear`` without bias;
+two RMSNorm weights), an embedding and a head, ``fully_shard`` per layer and on the root, on 2 and
+4 gloo ranks with one torch thread each. Contenders on the same DTensor model, with the same seeded
+gradients:
+
+1. ``Muon(split_params(model, adamw_options=...))`` with ``MUON_DTENSOR_NS_BATCH=never`` (the CPU
+   path: Newton-Schulz one matrix at a time);
+2. the same optimizer with ``always`` (the batching of the CUDA path: same-shape matrices as one
+   batched product);
+3. ``torch.optim.AdamW(foreach=True)`` on every parameter.
+
+After 2 warm-up steps per contender, one step under ``torch.profiler`` counts the top-level ``aten::``
+ops (no ``aten::`` or ``c10d::`` op among their ancestors; the optimizer's own ``record_function``
+scope does not count as a parent) and the collectives (top-level ``c10d::`` ops, each once; gloo's
+worker-thread events for the same collective are not counted again), on the rank with the most ops.
+Host time: timed steps alternate between the contenders, each after a barrier; a step's time is
+its slowest rank's, the table shows the median. "ops added per layer" is (ops(2L) - ops(L)) / L.
+Second case: up to 1,000 matrices of 16 x 16 (250 layers of 4), 2 ranks: host time against AdamW,
+and each contender's first step (state, plan and DTensor's sharding-propagation caches are built
+then); not counted, since the profiler takes tens of seconds to list that many events. AdamW's
+first step on DTensors grows with the square of the matrices and swings with the machine's load
+(docs/benchmarks.md, "Host work per step"), so a probe at 160 matrices picks the most that fit
+``--budget`` (270 s for the whole run); the output says what it picked.
+
+Run from the repository root (under 5 minutes on a 2-core machine)::
+
+    python benchmarks/bench_host.py
+    python benchmarks/bench_host.py --layers 4 --steps 5 --many-layers 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import results_config, system_info, wait_for_quiet  # noqa: E402
+from muon_dtensor.newton_schulz import BATCH_ENV  # noqa: E402
+
+WIDTH, KV, FFN, VOCAB = 16, 8, 48, 64
+ADAMW_OPTIONS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
+# label -> (optimizer, MUON_DTENSOR_NS_BATCH while it steps)
+CONTENDERS = {
+    "muon_dtensor, CPU path (never)": ("muon", "never"),
+    "muon_dtensor, CUDA batching (always)": ("muon", "always"),
+    "torch AdamW foreach": ("adamw", "never"),
+}
+ADAMW = list(CONTENDERS)[-1]
+PROBE_LAYERS = 40  # the many-matrices case's probe: 160 matrices
+# Plan the case for half the time left: on a shared machine the load moves between the probe and
+# the case, and the square law from a small probe misses either way.
+USABLE = 0.5
+START_UP_S = 20.0  # 2 rank processes importing torch and meeting, on a busy 2-core machine
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_host.json"
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(WIDTH), nn.RMSNorm(WIDTH)
+        self.q, self.o = nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
+        self.k, self.v = nn.Linear(WIDTH, KV, bias=False), nn.Linear(WIDTH, KV, bias=False)
+        self.gate, self.up = nn.Linear(WIDTH, FFN, bias=False), nn.Linear(WIDTH, FFN, bias=False)
+        self.down = nn.Linear(FFN, WIDTH, bias=False)
+
+
+class SquareLayer(nn.Module):  # four 16 x 16 matrices, for the many-matrices case
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+
+
+class Model(nn.Module):
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.RMSNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+
+def sharded_model(layers: int, kind: str = "llama") -> nn.Module:
+    """Inside a rank: a seeded model, ``fully_shard`` per layer and on the root, seeded gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    make = LlamaLayer if kind == "llama" else SquareLayer
+    model = Model([make() for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+def optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+    from muon_dtensor import Muon, split_params
+
+    muon = Muon(split_params(model, adamw_options=dict(ADAMW_OPTIONS)), lr=0.02)
+    return {"muon": muon, "adamw": torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW_OPTIONS)}
+
+
+@contextlib.contextmanager
+def ns_batch(value: str) -> Iterator[None]:
+    """``MUON_DTENSOR_NS_BATCH=value`` for the block (read at each call), then as it was."""
+    old = os.environ.get(BATCH_ENV)
+    os.environ[BATCH_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[BATCH_ENV]
+        else:
+            os.environ[BATCH_ENV] = old
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(("aten::", "c10d::"))
+
+
+def _top_level(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if _is_op(parent.name):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def count_step(opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
+    """Inside a rank: one ``opt.step()`` under the profiler, with ``MUON_DTENSOR_NS_BATCH=path``:
+    top-level ``aten::`` ops, collectives (top-level ``c10d::`` ops), and how many of each name."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with ns_batch(path):
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.step()
+    top = [e.name for e in prof.profiler.function_events if _is_op(e.name) and _top_level(e)]
+    collectives = sorted(n for n in top if n.startswith("c10d::"))
+    ops = sorted(n for n in top if n.startswith("aten::"))
+    return {
+        "ops": len(ops),
+        "op_names": {n: ops.count(n) for n in dict.fromkeys(ops)},
+        "collectives": len(collectives),
+        "collective_names": {n: collectives.count(n) for n in dict.fromkeys(collectives)},
+    }
+
+
+def warm_up(opts: dict[str, torch.optim.Optimizer], warmup: int) -> dict[str, float]:
+    """``warmup`` untimed steps per contender; the seconds of each one's first step (its state and
+    plan are built then, and DTensor's sharding propagation fills its caches)."""
+    first = {}
+    for label, (kind, path) in CONTENDERS.items():
+        with ns_batch(path):
+            for i in range(warmup):
+                start = time.perf_counter()
+                opts[kind].step()
+                if i == 0:
+                    first[label] = time.perf_counter() - start
+    return first
+
+
+def timed_steps(opts: dict[str, torch.optim.Optimizer], steps: int) -> dict[str, list[float]]:
+    """Rounds of one barrier-started step per contender, so load changes touch them alike."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {label: [] for label in CONTENDERS}
+    for _ in range(steps):
+        for label, (kind, path) in CONTENDERS.items():
+            with ns_batch(path):
+                dist.barrier()
+                start = time.perf_counter()
+                opts[kind].step()
+                times[label].append(time.perf_counter() - start)
+    return times
+
+
+def rank_counts(layers: list[int], path: str, warmup: int = 2) -> dict[int, dict[str, Any]]:
+    """Inside a rank: the Muon step's counts on ``path`` at each depth (what tests/test_host_ops.py
+    checks)."""
+    out = {}
+    for n in layers:
+        muon = optimizers(sharded_model(n))["muon"]
+        with ns_batch(path):
+            for _ in range(warmup):
+                muon.step()
+        out[n] = count_step(muon, path)
+    return out
+
+
+def rank_measure(
+    layers: list[int], kind: str, steps: int, warmup: int, count: bool = True
+) -> dict[int, dict[str, Any]]:
+    """Inside a rank: every contender's first-step seconds, counts (if ``count``) and step times at
+    each depth."""
+    torch.set_num_threads(1)
+    out = {}
+    for n in layers:
+        opts = optimizers(sharded_model(n, kind))
+        first = warm_up(opts, warmup)
+        counts = {label: count_step(opts[k], p) if count else {} for label, (k, p) in CONTENDERS.items()}
+        times = timed_steps(opts, steps)
+        out[n] = {
+            label: counts[label] | {"times": times[label], "first_s": first[label]} for label in CONTENDERS
+        }
+    return out
+
+
+def many_layers_within(probe: tuple[float, float], probe_layers: int, seconds: float, most: int) -> int:
+    """Layers of the many-matrices case that fit ``seconds``, from a probe at ``probe_layers``:
+    (AdamW's first step, everything else). torch's sharding propagation of a DTensor foreach op
+    walks the whole list once per element, so AdamW's first step grows with the square of the
+    matrices; the rest grows linearly."""
+    square, linear = max(probe[0], 1e-6), probe[1]
+    x = (-linear + math.sqrt(linear**2 + 4 * square * max(seconds, 0.0))) / (2 * square)
+    return max(probe_layers, min(most, int(probe_layers * x)))
+
+
+def rank_many(most: int, seconds: float, steps: int, warmup: int) -> dict[str, Any]:
+    """Inside a rank: the many-matrices case at the most layers (up to ``most``) that fit ``seconds``
+    after a probe at PROBE_LAYERS; every rank takes the same pick (the slowest rank's probe)."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    probe = rank_measure([PROBE_LAYERS], "square", steps, warmup, count=False)[PROBE_LAYERS][ADAMW]["first_s"]
+    times = torch.tensor([probe, time.perf_counter() - start - probe], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    left = USABLE * (seconds - (time.perf_counter() - start))
+    layers = many_layers_within((times[0].item(), times[1].item()), PROBE_LAYERS, left, most)
+    return {
+        "layers": layers,
+        "probe_s": times.tolist(),
+        "rows": rank_measure([layers], "square", steps, warmup, count=False),
+    }
+
+
+def summarize(per_rank: list[dict[int, dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
+    """Rows (contender, ranks, layers): counts of the rank with most ops, median slowest-rank ms."""
+    rows = []
+    for layers in per_rank[0]:
+        for label in CONTENDERS:
+            at = [r[layers][label] for r in per_rank]
+            busiest = max(at, key=lambda c: c.get("ops", 0))
+            slowest = [max(t) for t in zip(*(c["times"] for c in at), strict=True)]
+            rows.append(
+                {"contender": label, "ranks": ranks, "layers": layers, "ops": busiest.get("ops")}
+                | {"ops_each_rank": [c.get("ops") for c in at], "collectives": busiest.get("collectives")}
+                | {"collective_names": busiest.get("collective_names"), "op_names": busiest.get("op_names")}
+                | {"median_ms": statistics.median(slowest) * 1e3, "step_ms": [t * 1e3 for t in slowest]}
+                | {"first_step_s": max(c["first_s"] for c in at)}
+            )
+    return rows
+
+
+def per_layer(rows: list[dict[str, Any]], layers: int) -> None:
+    """Add ops added per layer, and its ratio to AdamW's at the same ranks, to every depth row."""
+    ops = {(r["contender"], r["ranks"], r["layers"]): r["ops"] for r in rows}
+    for r in rows:
+        deep, shallow = ((r["contender"], r["ranks"], n) for n in (2 * layers, layers))
+        r["ops_per_layer"] = (ops[deep] - ops[shallow]) / layers
+    for r in rows:
+        adamw = next(a for a in rows if a["contender"] == ADAMW and a["ranks"] == r["ranks"])
+        r["ratio_per_layer_to_adamw"] = r["ops_per_layer"] / adamw["ops_per_layer"]
+
+
+def format_depth(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| optimizer / path | ranks | layers | top-level ops/step | ops added per layer "
+        "| ratio to AdamW's | collectives/step | host ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['contender']} | {r['ranks']} | {r['layers']} | {r['ops']:,} | {r['ops_per_layer']:.1f} "
+            f"| {r['ratio_per_layer_to_adamw']:.1f} | {r['collectives']} | {r['median_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_many(rows: list[dict[str, Any]], matrices: int) -> str:
+    adamw = next(r for r in rows if r["contender"] == ADAMW)
+    lines = [
+        f"{matrices:,} matrices of {WIDTH} x {WIDTH}, 2 ranks:",
+        "| optimizer / path | host ms/step | ratio to AdamW | first step s |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        r["ratio_ms_to_adamw"] = r["median_ms"] / adamw["median_ms"]
+        lines.append(
+            f"| {r['contender']} | {r['median_ms']:.1f} | {r['ratio_ms_to_adamw']:.2f} "
+            f"| {r['first_step_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def avx512_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8, help="L: models of L and 2L layers (8)")
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated gloo ranks (2,4)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per contender (15)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (2)")
+    p.add_argument(
+        "--many-layers", type=int, default=250, help="most layers of 4 matrices, second case (250)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=270.0, help="s the whole run should take; sizes case 2 (270)"
+    )
+    p.add_argument("--many-steps", type=int, default=5, help="timed steps, second case (5)")
+    p.add_argument("--timeout", type=float, default=600.0, help="rank timeout, s (600)")
+    p.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this many s for a quiet machine")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    return p.parse_args(argv)
+
+
+def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+    """The L and 2L rows at every world size, with ops added per layer."""
+    from benchmarks import bench_host
+    from muon_dtensor.testing import run_ranks
+
+    depth: list[dict[str, Any]] = []
+    for n in sizes:
+        layers = [args.layers, 2 * args.layers]
+        per_rank = run_ranks(
+            bench_host.rank_measure, n, layers, "llama", args.steps, args.warmup, timeout=args.timeout
+        )
+        depth += summarize(per_rank, n)
+    per_layer(depth, args.layers)
+    return depth
+
+
+def run_many(args: argparse.Namespace, left: float) -> dict[str, Any]:
+    """The many-matrices case in ``left`` seconds: matrices picked, probe seconds, rows."""
+    from benchmarks import bench_host
+    from muon_dtensor.testing import run_ranks
+
+    ranks = run_ranks(bench_host.rank_many, 2, args.many_layers, left, args.many_steps, args.warmup,
+                      timeout=args.timeout)  # fmt: skip
+    rows = summarize([r["rows"] for r in ranks], 2)  # not counted: ops and collectives are None
+    print(f"picked: {4 * ranks[0]['layers']:,} matrices at 2 ranks (at most {4 * args.many_layers:,}; "
+          f"{left:.0f} s left of --budget, AdamW's first step {ranks[0]['probe_s'][0]:.1f} s at "
+          f"{4 * PROBE_LAYERS} matrices), {args.many_steps} timed steps")  # fmt: skip
+    return {"many_matrices": 4 * ranks[0]["layers"], "many_probe_s": ranks[0]["probe_s"], "many_rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    load = wait_for_quiet(args.wait_quiet)
+    started = time.perf_counter()
+    sizes = [int(n) for n in args.world_sizes.split(",")]
+    print(
+        f"picked: L = {args.layers} and {2 * args.layers} layers at {sizes} ranks, {args.steps} timed steps"
+    )
+    depth = run_depth(args, sizes)
+    many = run_many(args, args.budget - (time.perf_counter() - started) - START_UP_S)
+    print(format_depth(depth))
+    print()
+    print(format_many(many["many_rows"], many["many_matrices"]))
+    if max(sizes) > (os.cpu_count() or 1):
+        print(f"NOTE: {max(sizes)} ranks on {os.cpu_count()} cores are oversubscribed (time-shared).")
+    elapsed = time.perf_counter() - started
+    print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}; run took {elapsed:.0f} s")
+    payload = {**system_info(), "avx512_bf16": avx512_bf16(), "config": results_config(args)}
+    payload |= {"load_at_start": load, "elapsed_s": round(elapsed, 1), "depth_rows": depth, **many}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The ``MUON_DTENSOR_NS_BATCH`` switch, and the host-work count of ``benchmarks/bench_host.py``.
+
+``always`` runs the CUDA path's batched Newton-Schulz on CPU so CPU runs count its ops; with one BLAS
+thread its bits are the one-at-a-time path's. The benchmark's counting function is checked on a tiny
+FSDP model: the collectives per step do not grow with depth.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import bench_host
+from muon_dtensor import Muon
+from muon_dtensor.newton_schulz import BATCH_ENV, batching
+from tests.ranks import run_ranks
+
+
+@pytest.mark.parametrize(
+    ("value", "cpu", "cuda"),
+    [
+        (None, False, True),
+        ("", False, True),
+        ("auto", False, True),
+        ("always", True, True),
+        ("never", False, False),
+    ],
+)
+def test_batching_follows_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, cpu: bool, cuda: bool
+) -> None:
+    if value is None:
+        monkeypatch.delenv(BATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BATCH_ENV, value)
+    assert (batching("cpu"), batching("cuda")) == (cpu, cuda)
+
+
+def test_a_bad_value_is_refused_with_the_variable_the_value_and_the_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(BATCH_ENV, "Always")
+    with pytest.raises(
+        ValueError, match=r"MUON_DTENSOR_NS_BATCH must be one of auto, always, never.*'Always'"
+    ):
+        batching("cpu")
+
+
+def test_a_bad_value_stops_the_import() -> None:
+    """Every rank fails at import, before any collective (a rank that owns no matrix never asks)."""
+    env = {**os.environ, BATCH_ENV: "sometimes", "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, "-c", "import muon_dtensor"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "MUON_DTENSOR_NS_BATCH" in done.stderr and "'sometimes'" in done.stderr
+
+
+def _step(monkeypatch: pytest.MonkeyPatch, value: str) -> tuple[list[torch.Tensor], list[str]]:
+    """Two Muon steps on four same-shape wide matrices, three tall ones and a lone one; the final
+    parameters and the names of the ops of the second step."""
+    monkeypatch.setenv(BATCH_ENV, value)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(12, 40)] * 4 + [(40, 12)] * 3 + [(24, 24)]
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = Muon(params, lr=0.02)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    return [p.detach().clone() for p in params], [e.name for e in prof.profiler.function_events]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_batched_step_on_cpu_is_bitwise_the_one_at_a_time_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    batched, batched_ops = _step(monkeypatch, "always")
+    single, single_ops = _step(monkeypatch, "never")
+    assert "aten::bmm" in batched_ops and "aten::bmm" not in single_ops  # the switch took effect
+    for a, b in zip(batched, single, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_collectives_per_step_do_not_grow_with_depth() -> None:
+    counts: Callable[..., dict[int, dict]] = bench_host.rank_counts
+    per_rank = run_ranks(counts, 2, [1, 2], "always", timeout=180)
+    for rank in per_rank:
+        assert rank[1]["ops"] < rank[2]["ops"]  # the count sees the second layer's work
+        assert rank[1]["collectives"] == rank[2]["collectives"] > 0
+        assert rank[1]["collective_names"] == rank[2]["collective_names"]
