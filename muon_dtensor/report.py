@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._sharding.memory import bucket_sizes, exchange_peak, overlapped, round_sizes
+from ._sharding.memory import group_peak
 from ._sharding.param_layout import local_of
 from ._sharding.views import whole_matrix
 from .param_groups import refusal
@@ -75,32 +75,21 @@ def memory(opt: Muon) -> dict[str, int]:
 
 
 def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[Tensor]) -> int:
-    """One Muon group's peak: the Newton-Schulz inputs, the momentum's bucket temporaries, the
-    update buffers of parameters made of several matrices, and each exchange group's rounds."""
-    item = getattr(torch, group["ns_dtype"]).itemsize if isinstance(group["ns_dtype"], str) else 2
-    cpu = locals_[0].device.type == "cpu"
-    ns_in = sum(t.numel() for t in locals_) * item * (2 if group.get("normuon") else 1)
-    # muon_momentum: the scaled gradient (and the Nesterov source) of one bucket at a time
-    temps = max(bucket_sizes([t.numel() for t in locals_], cpu=cpu)) * locals_[0].element_size()
-    temps *= 2 if group["nesterov"] else 1
-    later = {i for i, t in enumerate(locals_) if not whole_matrix(sharding.views[i], t.shape)}
-    updates = sum(locals_[i].numel() * locals_[i].element_size() for i in later)
+    """One Muon group's peak (``_sharding.memory.group_peak``) over its plans for every parameter."""
+    dtype = group["ns_dtype"]
     todo = list(range(len(locals_)))
     domains = sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group))
-    exchange = 0
-    for domain in domains:
-        rank = sharding.layouts[domain.members[0][0]].rank
-        sizes = round_sizes(domain.plan, rank)
-        finalize: list[int] = []
-        for r in sizes:  # apply_results' scaled bucket, then the scaled pieces placed into updates
-            pos = [domain.members[m][0] for m in domain.plan.rounds[len(finalize)].members]
-            now = overlapped(bucket_sizes([n for n, p in zip(r.pieces, pos) if p not in later], cpu=cpu))
-            placed = sum(n * locals_[p].element_size() for n, p in zip(r.pieces, pos) if p in later)
-            finalize.append(max(now * locals_[0].element_size(), placed))
-        gram = group.get("ns_algorithm") == "gram"
-        peak = exchange_peak(sizes, itemsize=item, batched=not cpu, finalize=finalize, gram=gram)
-        exchange = max(exchange, peak)
-    return max(ns_in + temps, ns_in + updates + exchange)
+    return group_peak(
+        [t.numel() for t in locals_],
+        [not whole_matrix(sharding.views[i], t.shape) for i, t in enumerate(locals_)],
+        [(d.plan, sharding.layouts[d.members[0][0]].rank, [pos for pos, _ in d.members]) for d in domains],
+        param_item=locals_[0].element_size(),
+        ns_item=(getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize,
+        nesterov=bool(group["nesterov"]),
+        cpu=locals_[0].device.type == "cpu",
+        normuon=bool(group.get("normuon")),
+        gram=group.get("ns_algorithm") == "gram",
+    )
 
 
 def describe(opt: Muon, build: bool = True) -> str:

@@ -27,7 +27,7 @@ LAYERS: dict[str, int | str] = {
     "_sharding.split_exchange": COMM,
     "functional": STEP, "optimizer": STEP, "validation": STEP, "preflight": STEP, "agreement": STEP,
     "policy": STEP, "sharding": STEP, "state": STEP, "step_checks": STEP, "param_groups": STEP, "qk_clip": STEP,
-    "qk_logits": STEP, "report": STEP, "__init__": STEP,
+    "qk_logits": STEP, "report": STEP, "__init__": STEP, "topology": TOP,
 }  # fmt: skip
 NAMES = {MATH: "math", PLAN: "plan", COMM: "comm", STEP: "step", TOP: "checkpoint/demo"}
 

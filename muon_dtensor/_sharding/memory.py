@@ -22,9 +22,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .blocks import block_numel
-from .plan import EVERYONE, Plan
+from .plan import EVERYONE, MatrixEntry, Plan
 
-__all__ = ["RoundSizes", "bucket_sizes", "exchange_peak", "ns_workspace", "overlapped", "round_sizes"]
+__all__ = [
+    "RoundSizes",
+    "bucket_sizes",
+    "exchange_peak",
+    "group_peak",
+    "ns_workspace",
+    "overlapped",
+    "round_sizes",
+]
 
 Shape = tuple[int, int]
 
@@ -50,6 +58,7 @@ def _all_local(plan: Plan, members: Sequence[int], owners: Sequence[int]) -> boo
 
 def round_sizes(plan: Plan, me: int) -> tuple[RoundSizes, ...]:
     """Group rank ``me``'s figures per round of ``plan`` (the routes' buffer sizes, routes.py)."""
+    numels = _numels(plan)
     out = []
     for rnd in plan.rounds:
         direct = plan.group_size == 1 or _all_local(plan, rnd.members, rnd.owners)
@@ -58,24 +67,51 @@ def round_sizes(plan: Plan, me: int) -> tuple[RoundSizes, ...]:
         shapes: dict[Shape, int] = {}
         for m, owner in zip(rnd.members, rnd.owners):
             e = plan.entries[m]
-            mine = block_numel(e.blocks[me])
+            mine = numels[m][me]
             ranks = range(plan.group_size)
             if owner in (me, EVERYONE):
                 shapes[e.shape] = shapes.get(e.shape, 0) + 1
                 if not direct:
                     full += e.shape[0] * e.shape[1]
                     if not e.replicated:
-                        recv_in += sum(block_numel(e.blocks[s]) for s in ranks if s != me and e.feeds(s, me))
+                        recv_in += _others(numels[m], me, e)
                 if back and owner == me:
-                    send_out += sum(block_numel(e.blocks[d]) for d in ranks if d != me)
+                    send_out += sum(numels[m]) - numels[m][me]
             if owner != me and not direct and not e.replicated:
                 dests = ranks if owner == EVERYONE else (owner,)
                 send_in += mine * sum(1 for d in dests if d != me and e.feeds(me, d))
             if back and owner != me:
                 recv_out += mine
-        pieces = tuple(block_numel(plan.entries[m].blocks[me]) for m in rnd.members)
+        pieces = tuple(numels[m][me] for m in rnd.members)
         out.append(RoundSizes(send_in, recv_in, full, tuple(shapes.items()), send_out, recv_out, pieces))
     return tuple(out)
+
+
+_NUMELS: dict[int, tuple[Plan, list[tuple[int, ...]]]] = {}
+
+
+def _numels(plan: Plan) -> list[tuple[int, ...]]:
+    """Per entry, every group rank's block elements; computed once per plan (and per distinct
+    blocks tuple), since ``round_sizes`` is asked for every rank of a plan in turn. The cache
+    holds the plan itself, so an id is never mistaken for a later plan's."""
+    cached = _NUMELS.get(id(plan))
+    if cached is not None and cached[0] is plan:
+        return cached[1]
+    by_blocks: dict[int, tuple[int, ...]] = {}
+    table = [
+        by_blocks.setdefault(id(e.blocks), tuple(block_numel(b) for b in e.blocks)) for e in plan.entries
+    ]
+    if len(_NUMELS) >= 16:  # a few plans at a time: callers walk one model's ranks
+        _NUMELS.clear()
+    _NUMELS[id(plan)] = (plan, table)
+    return table
+
+
+def _others(numels: tuple[int, ...], me: int, entry: MatrixEntry) -> int:
+    """Elements of the other ranks' blocks that feed ``me`` (all of them with one replica)."""
+    if entry.replica_of is None:
+        return sum(numels) - numels[me]
+    return sum(n for s, n in enumerate(numels) if s != me and entry.feeds(s, me))
 
 
 def ns_workspace(shape: Shape, count: int, *, batched: bool, gram: bool = False) -> int:
@@ -158,3 +194,38 @@ def exchange_peak(
         peak = max(peak, live + (finalize[done] if finalize else 0))
         live -= held
     return peak
+
+
+def group_peak(
+    numels: Sequence[int],
+    assembled: Sequence[bool],
+    domains: Sequence[tuple[Plan, int, Sequence[int]]],
+    *,
+    param_item: int,
+    ns_item: int,
+    nesterov: bool,
+    cpu: bool,
+    normuon: bool = False,
+    gram: bool = False,
+) -> int:
+    """Peak transient bytes of one Muon group's step on one rank. ``numels``: local elements per
+    parameter; ``assembled``: whether its update is assembled from several matrices (functional's
+    update buffers); ``domains``: per exchange group its plan, this rank's group rank and the
+    parameter position of each plan entry. NorMuon's inputs are counted twice (the second moment
+    is concatenated in front of a copy); its owner-side row pass is not modelled."""
+    ns_in = sum(numels) * ns_item * (2 if normuon else 1)
+    # muon_momentum: the scaled gradient (and the Nesterov source) of one bucket at a time
+    temps = max(bucket_sizes(numels, cpu=cpu) or [0]) * param_item * (2 if nesterov else 1)
+    updates = sum(n for n, a in zip(numels, assembled) if a) * param_item
+    exchange = 0
+    for plan, me, positions in domains:
+        sizes = round_sizes(plan, me)
+        finalize = []
+        for rnd, r in zip(plan.rounds, sizes):  # apply_results' buckets, then the placed pieces
+            pos = [positions[m] for m in rnd.members]
+            now = overlapped(bucket_sizes([n for n, p in zip(r.pieces, pos) if not assembled[p]], cpu=cpu))
+            placed = sum(n for n, p in zip(r.pieces, pos) if assembled[p])
+            finalize.append(max(now, placed) * param_item)
+        peak = exchange_peak(sizes, itemsize=ns_item, batched=not cpu, finalize=finalize, gram=gram)
+        exchange = max(exchange, peak)
+    return max(ns_in + temps, ns_in + updates + exchange)
