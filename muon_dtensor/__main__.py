@@ -8,7 +8,8 @@ USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
        python -m muon_dtensor --version
 
   demo   train a small model with FSDP2 on 2 CPU ranks, crash, resume on 1 rank, compare
-  plan   predict one Muon optimizer step for a model on N GPUs from the cost model
+  plan   predict one Muon optimizer step for a model on N GPUs from the cost model;
+         plan --check CONFIG --gpus N: check its layouts and memory before launch
 
 Each takes --help."""
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if command == "plan" and any(a == "--check" or a.startswith("--check=") for a in rest):
+        from .topology import main as check_main
+
+        return check_main(rest)
     if command == "plan":
         from .planning.cli import main as plan_main
 

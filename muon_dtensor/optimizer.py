@@ -10,19 +10,19 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from . import validation
+from . import report, validation
 from ._docs import MUON_ARGS
 from ._sharding.comm import CommStats
 from ._sharding.domains import ViewOptions
 from ._sharding.param_layout import local_grad, local_of
 from ._sharding.plan import DEFAULT_ROUND_BYTES
-from .functional import MuonHyper, Orthogonalize, adamw_step, muon_step, resolve_orthogonalize
+from .functional import MuonHyper, Orthogonalize, muon_step, resolve_orthogonalize
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2
 from .policy import split_policy
 from .preflight import param_names
 from .sharding import GroupSharding
-from .state import SECOND_MOMENT, follow_replaced, init_state, settle_loaded
+from .state import SECOND_MOMENT, adamw_group_step, follow_replaced, init_state, settle_loaded
 from .step_checks import StepChecks
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
@@ -137,9 +137,10 @@ class Muon(Optimizer):
             for p in params:
                 init_state(self.state, group, p)
             if sharding is None:
-                self._adamw_step(group, params)
+                adamw_group_step(self.state, group, params)
             elif config is not None and todo:
                 self._muon_step(group, sharding, todo, config)
+        report.log_once(self)
         return loss
 
     def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
@@ -174,16 +175,13 @@ class Muon(Optimizer):
             compute=resolve_orthogonalize(MuonHyper.of(group), config, self._orthogonalize),
         )
 
-    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        states = [self.state[p] for p in params]
-        adamw_step(
-            [local_of(p) for p in params],
-            [local_grad(p) for p in params],
-            [local_of(s["exp_avg"]) for s in states],
-            [local_of(s["exp_avg_sq"]) for s in states],
-            [s["step"] for s in states],
-            **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
-        )
+    def memory(self) -> dict[str, int]:
+        """This rank's state bytes per kind and the predicted ``"peak_transient"`` bytes of a step."""
+        return report.memory(self)
+
+    def describe(self) -> str:
+        """The coverage table: algorithms, elements, matrices, owner balance, what AdamW got and why."""
+        return report.describe(self)
 
 
 assert Muon.__doc__ is not None

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "split_params"]
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "refusal", "split_params"]
 
 # Last component of the module path of common output heads (GPT-2/Llama "lm_head", torchtitan
 # "output", timm/torchvision "head", "fc", "classifier").
@@ -84,13 +84,18 @@ def split_params(
             only with ``head_dim``; default ``DEFAULT_QKV_NAMES``.
     Parameters keep their names, so errors and checkpoints use FQNs. Frozen parameters are left out.
     Raises ValueError where ``head_dim`` would reach no matrix, or a matrix whose rows are not heads
-    (an output projection, an MLP, a transposed ``Conv1D``).
+    (an output projection, an MLP, a transposed ``Conv1D``); where the model yields no Muon matrix;
+    and where 2-D weights arrive as flat 1-D shards (FSDP1's ``FlatParameter``, ZeRO-style
+    flattening), since Muon needs each weight's matrix shape.
     """
     if qkv is not None and head_dim is None:
         raise ValueError(f"split_params: qkv={tuple(qkv)!r} needs head_dim (rows per attention head)")
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"split_params: head_dim must be a positive int (rows per head) but is {head_dim!r}")
+    _refuse_flattened(model)
     groups = _sort(model, muon, adamw, head_names)
+    if not groups["muon"]:
+        _refuse_no_matrices(groups["adamw"])
     if head_dim is not None:
         names = DEFAULT_QKV_NAMES if qkv is None else tuple(qkv)
         groups["heads"] = _take_heads(model, groups["muon"], names, head_dim)
@@ -162,3 +167,51 @@ def _take_heads(
     taken = {id(p) for _, p in heads}
     muon[:] = [(n, p) for n, p in muon if id(p) not in taken]
     return heads
+
+
+def refusal(name: str, shape: tuple[int, ...], head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> str:
+    """Why a parameter is not Muon's, by ``split_params``' rules (for ``Muon.describe``)."""
+    module = _module_of(name)
+    if len(shape) < 2:
+        return f"{len(shape)}-D (a norm, bias or scalar): Muon orthogonalizes matrices only"
+    if len(shape) > 2:
+        return f"{len(shape)}-D: a Muon group with 'flatten' (conv) or 'experts' (stacks) would take it"
+    if module in head_names:
+        return f"output head (module '{module}' is in head_names): AdamW by Muon's recipe"
+    if any(key in _plain(name).lower() for key in ("embed", "wte", "wpe")):
+        return "embedding: AdamW by Muon's recipe"
+    return "2-D, put in AdamW by the caller (an adamw= pattern, or a group built by hand)"
+
+
+def _refuse_flattened(model: nn.Module) -> None:
+    """2-D weights that arrive as flat 1-D shards have lost the shape Muon orthogonalizes."""
+    flat = []
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            fqn = f"{prefix}.{name}" if prefix else name
+            if type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False):
+                flat.append(f"{fqn} (an FSDP1 FlatParameter of {p.numel():,} elements)")
+            elif len(getattr(p, "ds_shape", ())) == 2 and p.ndim != 2:
+                flat.append(f"{fqn} (a ZeRO-3 partition of a {tuple(p.ds_shape)} weight)")
+            elif name == "weight" and isinstance(module, nn.Linear) and p.ndim != 2:
+                flat.append(f"{fqn} (an nn.Linear weight held as shape {tuple(p.shape)})")
+    if flat:
+        raise ValueError(
+            f"split_params: 2-D weights arrive as flat 1-D shards: {', '.join(flat[:6])}"
+            f"{f' and {len(flat) - 6} more' if len(flat) > 6 else ''}. Muon orthogonalizes each "
+            "weight's matrix, which a flattened shard no longer has. Shard with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose parameters are DTensors of their global "
+            "shapes, instead of FSDP1 or ZeRO flattening; or call split_params and build Muon before "
+            "the model is flattened and step the optimizer on the original parameters"
+        )
+
+
+def _refuse_no_matrices(others: list[tuple[str, nn.Parameter]]) -> None:
+    shown = ", ".join(f"{n} {tuple(p.shape)}" for n, p in others[:6]) or "no trainable parameter"
+    more = f" and {len(others) - 6} more" if len(others) > 6 else ""
+    raise ValueError(
+        f"split_params: the model yields no Muon matrix: no trainable 2-D weight outside embeddings "
+        f"and output heads (its parameters: {shown}{more}). Muon orthogonalizes hidden matrices; "
+        "train this model with AdamW alone (torch.optim.AdamW), name its matrices with muon=[...] "
+        "patterns, or for conv or expert weights build a Muon group with 'flatten' or 'experts'"
+    )

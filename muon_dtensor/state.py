@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._sharding.param_layout import relayout, row_state_zeros
+from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
+from .functional import adamw_step
 
-__all__ = ["SECOND_MOMENT", "follow_replaced", "init_state", "settle_loaded"]
+__all__ = ["SECOND_MOMENT", "adamw_group_step", "follow_replaced", "init_state", "settle_loaded"]
 
 SECOND_MOMENT = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
 State = MutableMapping[Tensor, dict[str, Any]]
@@ -50,3 +51,16 @@ def settle_loaded(state: State, groups: Iterable[Mapping[str, Any]]) -> None:
             init_state(state, group, p)
             if "step" in state[p]:
                 state[p]["step"] = state[p]["step"].detach().to("cpu", torch.float32)
+
+
+def adamw_group_step(state: State, group: Mapping[str, Any], params: Sequence[Tensor]) -> None:
+    """An AdamW group's step over ``params`` (those with a gradient), on their local shards."""
+    states = [state[p] for p in params]
+    adamw_step(
+        [local_of(p) for p in params],
+        [local_grad(p) for p in params],
+        [local_of(s["exp_avg"]) for s in states],
+        [local_of(s["exp_avg_sq"]) for s in states],
+        [s["step"] for s in states],
+        **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+    )

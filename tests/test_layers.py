@@ -22,12 +22,12 @@ LAYERS: dict[str, int | str] = {
     "_docs": MATH,
     "_sharding.blocks": PLAN, "_sharding.param_layout": PLAN, "_sharding.views": PLAN,
     "_sharding.plan": PLAN, "_sharding.routes": PLAN, "_sharding.runs": PLAN, "_sharding.gangs": PLAN,
-    "_sharding.domains": PLAN, "_sharding.owners": PLAN,
+    "_sharding.domains": PLAN, "_sharding.owners": PLAN, "_sharding.memory": PLAN,
     "_sharding.comm": COMM, "_sharding.groups": COMM, "_sharding.exchange": COMM,
     "_sharding.split_exchange": COMM,
     "functional": STEP, "optimizer": STEP, "validation": STEP, "preflight": STEP, "agreement": STEP,
     "policy": STEP, "sharding": STEP, "state": STEP, "step_checks": STEP, "param_groups": STEP, "qk_clip": STEP,
-    "qk_logits": STEP, "__init__": STEP,
+    "qk_logits": STEP, "report": STEP, "__init__": STEP, "topology": TOP,
 }  # fmt: skip
 NAMES = {MATH: "math", PLAN: "plan", COMM: "comm", STEP: "step", TOP: "checkpoint/demo"}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..newton_schulz import ns_flops
 from .blocks import Block, block_numel
@@ -67,7 +68,7 @@ class MatrixEntry:
         """Whether ``source``'s block goes to ``dest`` when ``dest`` computes this matrix."""
         return self.replica_of is None or self.replica_of[source] == self.replica_of[dest]
 
-    @property
+    @cached_property  # read per round and rank by routes and memory: O(ranks) once per entry
     def holders(self) -> tuple[int, ...]:
         """The ranks that hold this matrix whole, one per replica, while the others hold nothing
         (an expert of an expert-parallel stack), or (). Its owner is one of them."""

@@ -24,6 +24,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .._sharding.blocks import block_numel
+from .._sharding.memory import group_peak
 from .._sharding.plan import DEFAULT_ROUND_BYTES
 from .costmodel import (
     CURRENT,
@@ -36,8 +38,9 @@ from .costmodel import (
     transformer_shapes,
 )
 from .hardware import Hardware
+from .plans import hsdp_plan, sharded_plan
 
-__all__ = ["MODELS", "Layout", "hardware", "main", "parse_args", "plan"]
+__all__ = ["MODELS", "Layout", "hardware", "main", "memory", "parse_args", "plan"]
 
 MODELS: dict[str, list[Shape]] = {
     "llama3-8b": LLAMA3_8B,
@@ -205,6 +208,39 @@ def plan(args: argparse.Namespace) -> Prediction:
     )
 
 
+def memory(args: argparse.Namespace, owners: str) -> dict[str, list[int]]:
+    """Per rank of one exchange group, the bytes ``Muon.memory`` reports for these matrices: fp32
+    momentum and the predicted peak transient of a step (bf16 exchange, CUDA batches), from the
+    plan the optimizer would build (owners ``"mesh"``: over every GPU, else one replica group)."""
+    lay, limit = args.layout, args.max_round_bytes or None
+    mesh = owners == "mesh" and lay.replicate > 1
+    built = (
+        hsdp_plan(args.shapes, lay.shard, lay.replicate, max_round_bytes=limit)
+        if mesh
+        else sharded_plan(args.shapes, lay.shard, max_round_bytes=limit)
+    )
+    whole, members = [False] * len(built.entries), list(range(len(built.entries)))
+    momentum, peak = [], []
+    for rank in range(built.group_size):
+        numels = [block_numel(e.blocks[rank]) for e in built.entries]
+        momentum.append(4 * sum(numels))
+        peak.append(
+            group_peak(
+                numels, whole, [(built, rank, members)], param_item=4, ns_item=2, nesterov=True, cpu=False
+            )
+        )
+    return {"momentum": momentum, "peak_transient": peak}
+
+
+def _memory_lines(figures: dict[str, list[int]]) -> list[str]:
+    mib = {k: (min(v) / 2**20, max(v) / 2**20) for k, v in figures.items()}
+    return [
+        "Per rank (MiB, min-max over ranks; Muon.memory's figures for these matrices): fp32 momentum "
+        f"{mib['momentum'][0]:,.1f}-{mib['momentum'][1]:,.1f}; peak transient of a step (bf16 exchange, "
+        f"CUDA batches) {mib['peak_transient'][0]:,.1f}-{mib['peak_transient'][1]:,.1f}"
+    ]
+
+
 def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
     lay, shapes = args.layout, args.shapes
     name = args.model if args.layers is None else f"custom ({args.layers} layers of width {args.dim})"
@@ -243,6 +279,7 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
         + (", host behind device)" if hw.async_host else ")")
         + ", so the step is less than their sum.",
         f"Every rank orthogonalizing every matrix instead (mode redundant): {redundant.total * 1e3:.1f} ms.",
+        *_memory_lines(memory(args, p.owners)),
     ]
     return "\n".join(lines)
 
@@ -256,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p = plan(args)
     if args.json:
         out: dict[str, Any] = {"layout": asdict(args.layout), "hardware": asdict(hardware(args))}
-        print(json.dumps(out | {"prediction": asdict(p)}, indent=2))
+        figures = {k: {"min": min(v), "max": max(v)} for k, v in memory(args, p.owners).items()}
+        print(json.dumps(out | {"prediction": asdict(p), "memory": figures}, indent=2))
         return 0
     redundant = predict(
         args.shapes,

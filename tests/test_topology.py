@@ -1,0 +1,111 @@
+"""``python -m muon_dtensor plan --check``: layouts, plans and per-rank memory on meta tensors, with no
+processes; exit 1 naming the parameter where a layout cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from muon_dtensor.__main__ import main as entry
+from muon_dtensor.planning.cli import main as plan_main
+from muon_dtensor.topology import check, meta_model
+
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+
+
+def _meta(*shapes: tuple[int, int]) -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(*(nn.Linear(cols, rows, bias=False) for rows, cols in shapes))
+
+
+def _chunks(rows: int, ranks: int) -> list[int]:
+    """torch.chunk's rows per rank, as FSDP2's Shard(0) cuts them."""
+    size = -(-rows // ranks)
+    return [max(0, min(size, rows - r * size)) for r in range(ranks)]
+
+
+def test_leading_dimension_72_on_16_ranks() -> None:
+    """prime-rl's shape: 72 rows on 16 ranks leave ranks 14 and 15 with 2 and 0 rows."""
+    found = check(_meta((72, 48), (48, 72)), 16)
+    rows = _chunks(72, 16)
+    assert rows[-3:] == [5, 2, 0]
+    assert found.momentum == tuple(4 * (r * 48 + c * 72) for r, c in zip(rows, _chunks(48, 16)))
+    assert found.matrices == 2 and all(p > 0 for p in found.peak)
+    (plan,) = found.plans
+    assert plan.group_size == 16 and sorted(o for rnd in plan.rounds for o in rnd.owners) == [0, 1]
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_one_row_weights(n: int) -> None:
+    """[1, N] weights on N ranks: rank 0 holds the row, every other rank nothing."""
+    found = check(_meta((1, n), (n, 1), (1, n)), n)
+    assert found.momentum[0] == 4 * (n + 1 + n) and set(found.momentum[1:]) <= {4}
+    assert found.momentum[1:] == tuple(4 * (1 if r < n else 0) for r in range(1, n))
+
+
+def test_cli_on_a_config_json_with_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL | {"num_local_experts": 72, "moe_intermediate_size": 32}))
+    assert entry(["plan", "--check", str(path), "--gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    # per layer q, k, v, o, the router, and 72 experts in each of two stacks
+    assert f"Muon: {2 * (5 + 2 * 72):,} matrices" in out and "OK:" in out
+
+
+def test_cli_with_hsdp_and_tp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"text_config": SMALL}))
+    assert entry(["plan", "--check", str(path), "--gpus", "16", "--hsdp", "2", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "16 GPUs = 2 replica group(s) x 4 shards x 2 TP ranks" in out
+
+
+def test_layout_that_cannot_run_names_the_parameter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert entry(["plan", "--check", "llama3-8b", "--gpus", "8", "--head-dim", "96"]) == 1
+    err = capsys.readouterr().err
+    assert "head_dim=96 does not divide the rows of" in err and "layers.0.self_attn.q_proj.weight" in err
+
+
+def test_a_bad_config_field_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL | {"num_hidden_layers": 0}))
+    assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 1
+    assert "'num_hidden_layers' must be a positive integer" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert entry(["plan", "--check", "llama3-8b", "--gpus", "6", "--tp", "4"]) == 2
+    assert "must be a positive multiple" in capsys.readouterr().err
+    assert entry(["plan", "--check", "no-such-model", "--gpus", "8"]) == 1
+
+
+def test_plan_cli_prints_the_same_memory_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --model`` and ``plan --check`` agree on a preset's Muon figures."""
+    assert plan_main(["--model", "llama3-8b", "--gpus", "16", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["memory"]
+    found = check(
+        meta_model(
+            {
+                "vocab_size": 128256,
+                "num_key_value_heads": 8,
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+            }
+        ),
+        16,
+    )
+    assert figures["momentum"] == {"min": min(found.momentum), "max": max(found.momentum)}
+    assert figures["peak_transient"] == {"min": min(found.peak), "max": max(found.peak)}
