@@ -16,6 +16,7 @@ digest, the names and the scopes. A step then rebuilds nothing but the per-rank 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ class _Layout:
     """The cached, per-parameter-set part of the checks."""
 
     scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
-    params: tuple[str, ...]  # per scope: its groups' (name, layout) rows and every parameter's, as text
+    params: tuple[str, ...]  # per scope: a hash of its groups' (name, layout) rows and every parameter's
     members: tuple[tuple[int, ...], ...]  # per scope: the groups with parameters there
     flat: tuple[Tensor, ...]  # every parameter, in group order
     names: tuple[str, ...]  # their names, for errors
@@ -90,7 +91,10 @@ class StepChecks:
 def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
     per_scope = scope_entries(groups, ddp_group)
     everything = repr(all_params(groups))
-    params = tuple(repr([(i, named) for i, _, named in e]) + everything for e in per_scope.values())
+    params = tuple(
+        hashlib.blake2b((repr([(i, named) for i, _, named in e]) + everything).encode()).hexdigest()
+        for e in per_scope.values()
+    )
     members = tuple(tuple(i for i, _, _ in e) for e in per_scope.values())
     where = {scope: k for k, scope in enumerate(per_scope)}
     scope_of = [

@@ -172,6 +172,11 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Whether gradient ``b`` is laid out like parameter ``a`` (same kind, mesh, placements, shape)."""
+    if isinstance(a, DTensor) and isinstance(b, DTensor) and a._spec is b._spec:
+        # FSDP2 builds a parameter's gradients with the parameter's own spec: only the local
+        # tensors can differ (the steady step's path, kept short: it runs for every parameter)
+        la, lb = a._local_tensor, b._local_tensor
+        return la.shape == lb.shape or la.numel() == lb.numel() == 0
     if not isinstance(a, DTensor):
         return (
             not isinstance(b, DTensor)
@@ -182,8 +187,6 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
         return False
     la, lb = local_tensor(a), local_tensor(b)
     same_local = la.shape == lb.shape or la.numel() == lb.numel() == 0
-    if a._spec is b._spec:  # FSDP2 builds a parameter's gradients with the parameter's own spec
-        return same_local
     return (
         same_local
         and a.device_mesh == b.device_mesh
