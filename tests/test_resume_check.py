@@ -104,6 +104,12 @@ def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
     assert _compare(base, far, profile="bf16_envelope", world_sizes=same)["passed"]
     cause = _compare(base, off, profile="bitwise", world_sizes=same)["cause"]
     assert "gradients agree but the optimizer" in cause
+    moved = _run({2: {"w": one}, 3: {"w": one}}, {"w": one})
+    moved["state"] = {"w/momentum": torch.ones(2) + 2.0**-9}  # a bf16 rounding of a state of 1, not float32's
+    assert _compare(base, moved, profile="bf16_envelope", world_sizes=same)["optimizer_state"]["within"]
+    assert not _compare(base, moved, profile="first_step_float", world_sizes=same)["passed"]
+    moved["rng"] = ["y"]
+    assert not _compare(base, moved, profile="bf16_envelope", world_sizes=same)["passed"]
     loaded_wrong = _run({2: {"w": one * 2}, 3: {"w": one}}, {"w": one})
     assert not _compare(base, loaded_wrong, profile="bf16_envelope", world_sizes=same)["passed"]
 
