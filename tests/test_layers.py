@@ -41,7 +41,7 @@ def _layer(module: str) -> int | str:
     top = module.split(".")[0]
     if top == PLANNING:
         return PLANNING
-    if top in ("checkpoint", "demo", "testing", "hf", "__main__"):
+    if top in ("checkpoint", "demo", "testing", "hf", "__main__", "resume_check"):
         return TOP
     assert module in LAYERS, f"muon_dtensor.{module} has no layer: add it to tests/test_layers.py"
     return LAYERS[module]

@@ -1,0 +1,128 @@
+"""The resume check on examples/train.py's model (TinyLM, the demo corpus, FSDP2, Muon + AdamW, a
+LambdaLR schedule): a plain loop resumes bitwise at 2 -> 2 and not at 2 -> 1, where the report names
+the gradient sum order; the micro-batch recipe makes 2 -> 1 bitwise too."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim.lr_scheduler import LambdaLR
+
+from muon_dtensor import Muon, split_params
+from muon_dtensor.demo.data import batch, corpus, tokens
+from muon_dtensor.demo.model import ModelConfig, TinyLM
+from muon_dtensor.demo.parallel import shard_model
+from muon_dtensor.resume_check import _compare, loss_scale, micro_batches_for, run_resume_check
+
+CFG = ModelConfig(vocab=64, dim=32, layers=1, heads=2, seq=16)
+BATCH, N_MICRO = 8, 2  # sequences per step; the recipe's micro-batches: one per rank at 2 ranks
+STEPS, SAVE_AT = 4, 2
+
+
+@functools.cache
+def _data() -> torch.Tensor:
+    return tokens(corpus(20_000))
+
+
+def _factor(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def build(rank: int, world: int) -> tuple[nn.Module, Muon, LambdaLR]:
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    shard_model(model, init_device_mesh("cpu", (world,)))
+    groups = split_params(model, adamw=["pos"], adamw_options={"lr": 3e-3, "weight_decay": 0.0})
+    opt = Muon(groups, lr=0.02, weight_decay=0.1)
+    return model, opt, LambdaLR(opt, _factor)
+
+
+def plain_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: int, world: int) -> None:
+    """examples/train.py's step: this rank's slice of the batch, one mean loss."""
+    share = BATCH // world
+    model.loss(batch(_data(), step, BATCH, CFG.seq)[rank * share : (rank + 1) * share]).backward()  # type: ignore[operator]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+
+
+def recipe_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: int, world: int) -> None:
+    """The micro-batch recipe: the same N_MICRO micro-batches on any world size, each scaled."""
+    micros = batch(_data(), step, BATCH, CFG.seq).split(BATCH // N_MICRO)
+    for i in micro_batches_for(rank, world, N_MICRO):
+        (model.loss(micros[i]) * loss_scale(world, N_MICRO)).backward()  # type: ignore[operator]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+
+
+def test_plain_loop_resumes_bitwise_on_the_same_world_size(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    out = run_resume_check(build, plain_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 2), report=report)
+    assert out["bitwise"] and out["passed"] and out["cause"] is None, out
+    assert json.loads(report.read_text())["bitwise"] is True
+    assert out["scheduler_equal"] and out["rng_equal"]
+    assert sorted(out["per_step"]) == [str(s) for s in range(SAVE_AT, STEPS + 1)]
+
+
+def test_plain_loop_on_fewer_ranks_is_not_bitwise_and_names_the_gradient(tmp_path: Path) -> None:
+    out = run_resume_check(build, plain_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 1))
+    assert not out["bitwise"] and not out["passed"], out
+    assert out["first_resumed_grads"]["max_diff"] > 0
+    assert out["per_step"][str(SAVE_AT)]["max_diff"] == 0  # the load itself is exact
+    assert out["first_difference_step"] == SAVE_AT + 1
+    assert "gradient sum order differs" in out["cause"] and "2 -> 1" in out["cause"]
+
+
+def test_micro_batch_recipe_resumes_bitwise_on_fewer_ranks(tmp_path: Path) -> None:
+    out = run_resume_check(build, recipe_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 1))
+    assert out["bitwise"] and out["passed"], out
+
+
+def _run(params: dict[int, dict[str, torch.Tensor]], grads: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state = {"w/momentum": torch.ones(2)}
+    return {"params": params, "grads": grads, "lrs": {3: 0.5}, "state": state, "scheduler": {}, "rng": ["x"]}
+
+
+def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
+    one, ulp = torch.ones(2), 2.0**-23
+    base = _run({2: {"w": one}, 3: {"w": one}}, {"w": one})
+    off = _run({2: {"w": one}, 3: {"w": one + 3 * ulp}}, {"w": one})  # 3 ulps: within 4 x 1 step
+    far = _run({2: {"w": one}, 3: {"w": one + 2.0**-10}}, {"w": one})  # 2**-10 <= 0.5 * 2**-8
+    same = (2, 2)
+    assert _compare(base, base, profile="bitwise", world_sizes=same)["bitwise"]
+    assert not _compare(base, off, profile="bitwise", world_sizes=same)["passed"]
+    assert _compare(base, off, profile="first_step_float", world_sizes=same)["passed"]
+    assert not _compare(base, far, profile="first_step_float", world_sizes=same)["passed"]
+    assert _compare(base, far, profile="bf16_envelope", world_sizes=same)["passed"]
+    cause = _compare(base, off, profile="bitwise", world_sizes=same)["cause"]
+    assert "gradients agree but the optimizer" in cause
+    moved = _run({2: {"w": one}, 3: {"w": one}}, {"w": one})
+    moved["state"] = {"w/momentum": torch.ones(2) + 2.0**-9}  # a bf16 rounding of a state of 1, not float32's
+    assert _compare(base, moved, profile="bf16_envelope", world_sizes=same)["optimizer_state"]["within"]
+    assert not _compare(base, moved, profile="first_step_float", world_sizes=same)["passed"]
+    moved["rng"] = ["y"]
+    assert not _compare(base, moved, profile="bf16_envelope", world_sizes=same)["passed"]
+    loaded_wrong = _run({2: {"w": one * 2}, 3: {"w": one}}, {"w": one})
+    assert not _compare(base, loaded_wrong, profile="bf16_envelope", world_sizes=same)["passed"]
+
+
+def test_bad_input_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(
+        ValueError, match="n_micro should be a positive multiple of the world size 2 but is 3"
+    ):
+        micro_batches_for(0, 2, 3)
+    with pytest.raises(ValueError, match="profile should be one of"):
+        run_resume_check(build, plain_step, steps=4, save_at=2, profile="close")
+    with pytest.raises(ValueError, match="1 <= save_at < steps"):
+        run_resume_check(build, plain_step, steps=2, save_at=2)
+    with pytest.raises(TypeError, match="train_step should be a module-level function"):
+        run_resume_check(build, lambda *a: None, steps=4, save_at=2)
+    assert list(micro_batches_for(1, 2, 4)) == [2, 3] and loss_scale(2, 4) == 0.5
