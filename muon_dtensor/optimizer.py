@@ -85,6 +85,7 @@ class Muon(Optimizer):
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
+        validation.check_process_group(process_group)
         self._process_group = process_group
         self._orthogonalize = orthogonalize_fn
         self._checks = StepChecks()
