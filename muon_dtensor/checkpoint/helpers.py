@@ -38,6 +38,7 @@ from .._sharding import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
+from .agree import agree
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -255,9 +256,18 @@ def load_checkpoint(
     its param groups against the optimizer's; a failure raises on every rank. ``optimizer_state``:
     ``"load"`` (default) loads the optimizer's state and refuses a checkpoint without it;
     ``"fresh"`` loads the weights alone and restarts ``optimizer`` (zero momentum, step 0), as when
-    switching from another optimizer.
+    switching from another optimizer. Whether an optimizer is passed (and its type),
+    ``optimizer_state`` and ``step`` must be the same on every rank: a difference raises on every
+    rank, naming the argument, before anything is read.
     """
-    fresh = check_optimizer_state(optimizer_state, optimizer)
+    fresh = agree(
+        "load_checkpoint",
+        process_group,
+        lambda: (check_optimizer_state(optimizer_state, optimizer), {}),
+        optimizer=None if optimizer is None else type(optimizer).__qualname__,
+        optimizer_state=optimizer_state,
+        step=step,
+    )
     chosen, error = collectives.broadcast_object(
         attempt(lambda: step if step is not None else latest_step(root)), process_group
     )
