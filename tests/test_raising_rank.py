@@ -84,7 +84,9 @@ def test_peers_of_a_raising_rank_raise_in_bounded_time(tmp_path: Path, world: in
         if rank == 1:
             continue
         assert outcome["error"] == "RuntimeError", (rank, outcome)
-        assert "rank 1" in outcome["message"] and "Injected: injected on rank 1" in outcome["message"], outcome
+        assert "rank 1" in outcome["message"] and "Injected: injected on rank 1" in outcome["message"], (
+            outcome
+        )
         assert "restart from the last complete checkpoint" in outcome["message"], outcome
         assert outcome["seconds"] < BOUND_S, (rank, outcome)
     assert time.monotonic() - started < LINGER_S + 60
