@@ -12,7 +12,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import report, validation
 from ._docs import MUON_ARGS
-from ._sharding.comm import CommStats
+from ._sharding.comm import CommStats, releasing_peers
 from ._sharding.domains import ViewOptions
 from ._sharding.param_layout import local_grad, local_of
 from ._sharding.plan import DEFAULT_ROUND_BYTES
@@ -85,6 +85,7 @@ class Muon(Optimizer):
         )
         defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
+        validation.check_process_group(process_group)
         self._process_group = process_group
         self._orthogonalize = orthogonalize_fn
         self._checks = StepChecks()
@@ -127,19 +128,20 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         follow_replaced(self.state, self.param_groups, self._params)
-        # agreement, local checks and preflight: one sum per scope, before any other collective
-        configs, work = self._checks.run(self.param_groups, self._process_group)
-        shardings = [
-            self._sharding(i, g) if c else None for i, (g, c) in enumerate(zip(self.param_groups, configs))
-        ]
-        for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
-            params = [group["params"][i] for i in todo]
-            for p in params:
-                init_state(self.state, group, p)
-            if sharding is None:
-                adamw_group_step(self.state, group, params)
-            elif config is not None and todo:
-                self._muon_step(group, sharding, todo, config)
+        configs, work = self._checks.run(self.param_groups, self._process_group)  # one sum per scope
+        with releasing_peers():  # a rank that raises from here on tells its peers to stop waiting
+            shardings = [
+                self._sharding(i, g) if c else None
+                for i, (g, c) in enumerate(zip(self.param_groups, configs))
+            ]
+            for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
+                params = [group["params"][i] for i in todo]
+                for p in params:
+                    init_state(self.state, group, p)
+                if sharding is None:
+                    adamw_group_step(self.state, group, params)
+                elif config is not None and todo:
+                    self._muon_step(group, sharding, todo, config)
         report.log_once(self)
         return loss
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from ._compat import _StridedShard
@@ -31,6 +32,8 @@ __all__ = [
     "check_muon_group",
     "check_owners",
     "check_params",
+    "check_process_group",
+    "check_round_bytes",
     "ns_dtype_name",
     "resolve_ns_config",
 ]
@@ -44,6 +47,37 @@ def _check_lr(lr: float | Tensor) -> None:
         raise ValueError("Tensor lr must be 1-element")
     if not lr >= 0.0:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    _check_finite("lr", lr)
+
+
+def _check_finite(key: str, value: Any) -> None:
+    """An infinite lr, momentum or weight decay can only turn the parameters into NaN."""
+    if not value < math.inf:
+        raise ValueError(f"{key} should be finite but is: {value}; use a finite value (0 turns it off)")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    """A flag the step reads with ``if``: any other value (a string such as 'no') would be truthy."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} should be True or False but is: {value!r}; pass a bool")
+
+
+def check_round_bytes(value: Any) -> None:
+    """``max_round_bytes``: None for one round per step, else a positive int of bytes."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"max_round_bytes should be None (one round) or an int >= 1 (bytes of full matrices per "
+            f"exchange round) but is: {value!r}; the default is 4 << 20"
+        )
+
+
+def check_process_group(group: Any) -> None:
+    """``process_group``: where plain-tensor parameters exchange (None: the default group)."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"process_group should be None (the default group) or a torch.distributed.ProcessGroup "
+            f"but is: {group!r}; pass a group from dist.new_group or a mesh's get_group()"
+        )
 
 
 def check_algorithm(group: dict[str, Any]) -> str:
@@ -134,6 +168,9 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    _check_finite("momentum", group["momentum"])
+    _check_finite("weight_decay", group["weight_decay"])
+    _check_muon_flags(group)
     _check_adjust_lr(group["adjust_lr_fn"])
     _check_normuon(group)
     check_mode(group.get("mode", "owner"))
@@ -142,6 +179,14 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
+
+
+def _check_muon_flags(group: Mapping[str, Any]) -> None:
+    """The bools and the round size of a Muon group (a group saved before a key existed lacks it)."""
+    _check_bool("nesterov", group["nesterov"])
+    for key in ("flatten", "experts"):
+        _check_bool(f"'{key}'", group.get(key, False))
+    check_round_bytes(group.get("max_round_bytes"))
 
 
 def _check_normuon(group: Mapping[str, Any]) -> None:
@@ -177,6 +222,8 @@ def check_adamw_group(group: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    _check_finite("weight_decay", group["weight_decay"])
+    _check_finite("eps", group["eps"])
     if group.get("normuon", False):
         raise ValueError("'normuon': True is an option of Muon groups; this group is an AdamW group")
 
@@ -185,6 +232,11 @@ def _as_triple(value: Sequence[float]) -> Triple:
     if len(value) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = (float(v) for v in value)
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise ValueError(
+            f"ns_coefficients should be finite numbers but hold: {', '.join(map(str, (a, b, c)))}; "
+            "use finite (a, b, c) or a preset name"
+        )
     return (a, b, c)
 
 
@@ -205,6 +257,13 @@ def resolve_ns_config(
         raise ValueError(
             f"ns_algorithm should be 'standard' or 'gram' but is: {algorithm!r}; 'gram' evaluates the "
             "same Newton-Schulz polynomial on the small Gram matrix"
+        )
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise ValueError(f"ns_steps should be an int (Newton-Schulz iterations, e.g. 5) but is: {ns_steps!r}")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0.0 <= eps < math.inf):
+        raise ValueError(
+            f"eps should be a finite number >= 0 but is: {eps!r}; it bounds the norm Newton-Schulz "
+            "divides by (default 1e-7)"
         )
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")

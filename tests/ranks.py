@@ -8,7 +8,8 @@ worker imports torch and joins a gloo process group once, then loops over tasks 
 ``MultiProcContinuousTest``). That takes the seconds of start-up and rendezvous off every call.
 
 Safety rules: every call has a deadline; a rank that raises, hangs or dies makes the whole pool be killed
-(a rank that raised may have left the others waiting in a collective) and the next call starts a new one.
+(a rank that raised may have left the others waiting in a collective) and the next call starts a new one;
+so is a pool where a step failed inside its data path (the job's store keeps that for good).
 Every task starts from the same RNG state (seed 0, on every rank). Process groups that tasks create (every
 device mesh makes some) stay alive: torch's caches keep equal meshes from earlier calls (destroying the
 groups after each task made a later task get a mesh whose group was gone), so instead a pool whose
@@ -52,14 +53,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         pool = None
     pool = _POOLS[world_size] = pool or _Pool(world_size)
     try:
-        values, threads = pool.run(
+        values, threads, failed = pool.run(
             f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout
         )
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(kill=True)
         raise
-    if threads > MAX_THREADS:
+    if threads > MAX_THREADS or failed:
         _POOLS.pop(world_size, None)
         pool.close()
     return values
@@ -119,8 +120,9 @@ class _Pool:
                 raise RankError(message)
             time.sleep(0.02)
 
-    def run(self, spec: str, root: str, args: tuple, timeout: float) -> tuple[list[Any], int]:
-        """Each rank's value, and the most threads a worker holds after the task."""
+    def run(self, spec: str, root: str, args: tuple, timeout: float) -> tuple[list[Any], int, bool]:
+        """Each rank's value, the most threads a worker holds after the task, and whether a step
+        failed on some rank (recorded in the job's store for good: the pool is retired)."""
         task = next(self.tasks)
         offsets = {r: self.logs[r].tell() for r in range(self.world_size)}
         part = self.folder / f"task{task}.pkl.part"
@@ -137,7 +139,7 @@ class _Pool:
         (self.folder / f"task{task}.pkl").unlink()  # read by every rank that reported
         exits = [p.poll() for p in self.procs]
         values = _judge(outcomes, exits, hung, timeout, self._stderr(offsets))
-        return values, max(o[2] for o in outcomes.values())
+        return values, max(o[2] for o in outcomes.values()), any(o[3] for o in outcomes.values())
 
     def _collect(self, task: int, timeout: float) -> tuple[dict[int, tuple[str, Any, int]], bool]:
         """Every rank's (status, value, threads) as far as it came; True if the deadline passed.
@@ -196,7 +198,7 @@ class _Pool:
 def _judge(outcomes: dict, exits: list[int | None], hung: bool, timeout: float, stderr: str) -> list[Any]:
     """The values in rank order, or RankError with the first rank's own error, as launch reports it.
     ``exits``: each worker's exit code, None while it runs."""
-    errors = {r: v for r, (status, v, _) in outcomes.items() if status == "error"}
+    errors = {r: v for r, (status, v, *_) in outcomes.items() if status == "error"}
     silent = [r for r in range(len(exits)) if r not in outcomes]
     if errors:
         # A rank's own error first; "Connection reset" is usually another rank's consequence.
@@ -245,11 +247,11 @@ def _serve(folder: Path, rank: int, world_size: int) -> None:
         outcome = _run_task(pickle.loads((folder / f"task{task}.pkl").read_bytes()))
         part = folder / f"result{task}.{rank}.pkl.part"
         try:
-            part.write_bytes(pickle.dumps((*outcome, _threads())))
+            part.write_bytes(pickle.dumps((*outcome, _threads(), _step_failed())))
         except Exception:  # noqa: BLE001 - an unpicklable return value is the task's error
             import traceback
 
-            part.write_bytes(pickle.dumps(("error", traceback.format_exc(), _threads())))
+            part.write_bytes(pickle.dumps(("error", traceback.format_exc(), _threads(), _step_failed())))
         part.rename(folder / f"result{task}.{rank}.pkl")
     sys.stderr.flush()
     os._exit(0)  # no gloo destructor at exit (see muon_dtensor.testing)
@@ -261,6 +263,15 @@ def _threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 0
+
+
+def _step_failed() -> bool:
+    """Whether a rank reported a step's failure (``comm.releasing_peers``) in this pool's store."""
+    import torch.distributed as dist
+
+    from muon_dtensor._sharding.comm import FAILED_KEY
+
+    return bool(dist.distributed_c10d._get_default_store().check([FAILED_KEY]))
 
 
 def _run_task(task: tuple[str, str, tuple]) -> tuple[str, Any]:

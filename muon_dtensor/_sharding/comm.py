@@ -7,9 +7,11 @@ are created in ``groups.py``; the checkpoint's own collectives are in ``checkpoi
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "max_over_mesh",
     "pack_chunks",
     "rank_and_size",
+    "releasing_peers",
     "start_all_to_all",
     "start_exchange",
     "sum_over_group",
@@ -114,7 +117,7 @@ def _reduce_on_host(
     out = values.detach()
     out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
-        dist.all_reduce(out, op=op, group=group)
+        wait_released(dist.all_reduce(out, op=op, group=group, async_op=True), out.device)
     return out if out.device.type == "cpu" else out.cpu()
 
 
@@ -126,6 +129,72 @@ def _warn_device_round_trip() -> None:
         'init_process_group(backend="cuda:nccl,cpu:gloo") keeps them on the host',
         stacklevel=4,
     )
+
+
+# Where a rank that raised inside a step tells the others (the job's default store), and how often a
+# rank blocked in one of the step's host collectives looks there.
+FAILED_KEY = "muon_dtensor/step_failed"
+POLL = datetime.timedelta(seconds=0.5)
+
+
+@contextlib.contextmanager
+def releasing_peers() -> Iterator[None]:
+    """Around a step's data path: an exception leaving it is reported to every rank of the job, so
+    peers blocked in a collective that this rank will never join raise instead of waiting for the
+    process group's timeout (gloo has no abort that closes the connections of a live process)."""
+    try:
+        yield
+    except BaseException as e:
+        report_failure(e)
+        raise
+
+
+def _store() -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def report_failure(error: BaseException) -> None:
+    """Record the first failure in the job's store; best effort (the store may have died too)."""
+    try:
+        store = _store()
+        if store is not None and not store.check([FAILED_KEY]):
+            store.set(FAILED_KEY, f"rank {dist.get_rank()} raised {type(error).__name__}: {error}"[:2000])
+    except Exception:  # noqa: BLE001 - reporting must not hide the error being raised
+        pass
+
+
+def wait_released(work: Any, device: torch.device) -> None:
+    """``work.wait()``; for host collectives in slices of ``POLL``, between which a failure another
+    rank reported (``releasing_peers``) raises here. A device collective waits as before (under
+    NCCL, its watchdog bounds a wait). A failure of the collective itself is reported too."""
+    store = _store() if device.type == "cpu" else None
+    if store is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError:
+            if work.is_completed():  # failed, or done just after the slice ran out
+                _wait_reporting(work)
+                return
+        if store.check([FAILED_KEY]):
+            raise RuntimeError(
+                f"{store.get(FAILED_KEY).decode(errors='replace')} inside Muon.step; this rank was "
+                "waiting for it in a collective of the step and stops. The ranks' states now differ: "
+                "restart from the last complete checkpoint"
+            )
+
+
+def _wait_reporting(work: Any) -> None:
+    try:
+        work.wait()
+    except BaseException as e:
+        report_failure(e)
+        raise
 
 
 def sum_over_scopes(
@@ -235,7 +304,7 @@ def start_exchange(
         stats.hold((send.numel() + recv.numel()) * item)
 
     def finish() -> Tensor:
-        work.wait()
+        wait_released(work, recv.device)
         if stats is not None:
             stats.release(send.numel() * item)  # ``send`` dies here; ``recv`` lives on in views
         return recv

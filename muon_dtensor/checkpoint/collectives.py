@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .._sharding.comm import gather_objects, rank_and_size
 
-__all__ = ["barrier", "broadcast_object", "first_error", "gather_objects", "rank_and_size"]
+__all__ = ["barrier", "broadcast_object", "first_error", "gather_objects", "portable", "rank_and_size"]
 
 
 def _solo(group: dist.ProcessGroup | None) -> bool:
@@ -40,7 +40,7 @@ def first_error(error: BaseException | None, group: dist.ProcessGroup | None) ->
     ``RuntimeError`` with its text."""
     if _solo(group):
         return error
-    mine = _portable(error)
+    mine = portable(error)
     errors = gather_objects(mine, group)
     first = next((rank for rank, e in enumerate(errors) if e is not None), None)
     if first is None:
@@ -48,7 +48,8 @@ def first_error(error: BaseException | None, group: dist.ProcessGroup | None) ->
     return error if first == rank_and_size(group)[0] and mine is error else errors[first]
 
 
-def _portable(error: BaseException | None) -> BaseException | None:
+def portable(error: BaseException | None) -> BaseException | None:
+    """``error`` if it survives pickling unchanged, else a ``RuntimeError`` with its text."""
     if error is None:
         return None
     try:

@@ -4,7 +4,7 @@ publication, checksums, keep-last-k, newest-complete resume.
 Layout of ``root``::
 
     step_00000100/        published: DCP files + manifest.json (checksums, extra state)
-    .tmp_step_00000200/   being written (or left by a failed save): never loaded, replaced on retry
+    .tmp_step_00000200_<token>/  being written by one save (its own, see ``publish``): never loaded
     .del_step_00000050/   being deleted by keep_last: never loaded
 
 Every rank writes its own shards through DCP (no gather). After all ranks finished, each reports
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from .._sharding import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
+from .agree import agree
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -49,8 +49,8 @@ from .manifest import (
     read_manifest,
     step_dir,
     verify_files,
-    write_manifest,
 )
+from .publish import IN_FLIGHT, attempt, claim, discarding, prune, publish, raise_together
 from .safe_read import SafeLoadPlanner, SafeReader
 
 __all__ = [
@@ -64,10 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# The final folders of this process's async saves whose wait() has not returned: their step is taken,
-# and their save group is busy (a second save's collectives on it could interleave with theirs).
-_IN_FLIGHT: set[Path] = set()
 
 
 def _solo() -> bool:
@@ -89,20 +85,6 @@ def _saved_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any
     return state
 
 
-def _raise_together(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    """Collective: if any rank failed, every rank raises the first failing rank's error."""
-    first = collectives.first_error(error, group)
-    if first is not None:
-        raise first
-
-
-def _attempt(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    try:
-        return work(), None
-    except Exception as e:  # noqa: BLE001 - handed to _raise_together, raised on every rank
-        return None, e
-
-
 def _check_arguments(step: int, extra: Any, keep_last: int | None) -> dict[str, Any]:
     """Local checks, the same on every rank, before any collective or file write."""
     if type(step) is not int or step < 0:
@@ -110,61 +92,6 @@ def _check_arguments(step: int, extra: Any, keep_last: int | None) -> dict[str, 
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ValueError(f"keep_last should be None or an int of at least 1 but is {keep_last!r}")
     return check_extra(extra)
-
-
-def _prepare(
-    root: Path, step: int, group: dist.ProcessGroup | None, asynchronous: bool = False
-) -> tuple[Path, Path]:
-    """Every rank checks the step is free; rank 0 makes the temporary folder. One failure anywhere
-    (the step exists or is being saved, a read-only or full root) raises on every rank."""
-    final = step_dir(root, step)
-    tmp = root / f".tmp_{final.name}"
-
-    def claim() -> None:
-        _refuse_taken(final, asynchronous)
-        if collectives.rank_and_size(group)[0] == 0:
-            if final.exists():
-                raise FileExistsError(
-                    f"{final} already exists; checkpoints are never overwritten, use a new step"
-                )
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed earlier attempt left
-            tmp.mkdir(parents=True)
-
-    _raise_together(_attempt(claim)[1], group)
-    return tmp, final
-
-
-def _refuse_taken(final: Path, asynchronous: bool) -> None:
-    """This process's async saves in flight: their step is taken, and their group is busy."""
-    if final.resolve() in _IN_FLIGHT:
-        raise FileExistsError(
-            f"{final} is being written by an async save still in flight; checkpoints are never "
-            "overwritten, use a new step"
-        )
-    if asynchronous and _IN_FLIGHT:
-        raise RuntimeError(
-            f"an async save ({min(_IN_FLIGHT)}) is still in flight; call its wait() before starting another"
-        )
-
-
-def _publish(tmp: Path, final: Path, records: dict[str, dict[str, int]], info: dict[str, Any]) -> None:
-    records[".metadata"] = file_record(tmp / ".metadata")
-    write_manifest(tmp, records, info)
-    os.replace(tmp, final)
-
-
-def _prune(root: Path, keep_last: int, saved: int) -> None:
-    """Delete complete steps older than the ``keep_last`` newest, never the one just saved. Each is
-    renamed away first, so a deletion that stops midway never leaves a folder that looks complete.
-    Best effort: the save is already published, so a failure here is logged, not raised."""
-    try:
-        doomed = [step_dir(root, s) for s in complete_steps(root)[:-keep_last] if s != saved]
-        for folder in doomed:
-            os.replace(folder, root / f".del_{folder.name}")
-        for folder in root.glob(".del_step_*"):
-            shutil.rmtree(folder, ignore_errors=True)
-    except OSError as e:
-        log.warning("keep_last=%d: could not remove older steps: %s", keep_last, e)
 
 
 def _finalize(
@@ -178,9 +105,9 @@ def _finalize(
     """Checksums from every rank, then rank 0 publishes: manifest, rename, prune. A failure on any
     rank (a file that cannot be read back, a full disk, a read-only root) raises on every rank."""
     rank, world = collectives.rank_and_size(group)
-    mine, error = _attempt(lambda: {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")})
+    mine, error = attempt(lambda: {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")})
     parts = collectives.gather_objects(mine, group)
-    _raise_together(error, group)
+    raise_together(error, group)
     if rank == 0:
         records = {k: v for part in parts for k, v in part.items()}
         info = {
@@ -190,10 +117,10 @@ def _finalize(
             "time": time.time(),
             "torch": torch.__version__,
         }
-        error = _attempt(lambda: _publish(tmp, final, records, info))[1]
+        error = attempt(lambda: publish(tmp, final, records, info))[1]
         if error is None and keep_last is not None:
-            _prune(final.parent, keep_last, step)
-    _raise_together(error, group)
+            prune(final.parent, keep_last, step)
+    raise_together(error, group)
     log.info("saved %s", final)
     return final
 
@@ -216,13 +143,16 @@ def save_checkpoint(
     failure raises the same error on every rank, and leaves no half-published step.
     """
     extra = _check_arguments(step, extra, keep_last)
-    tmp, final = _prepare(Path(root), step, process_group)
+    tmp, final = claim(Path(root), step, process_group)
     solo = _solo()
-    with single_process(solo):
-        dcp.save(
-            _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=process_group, no_dist=solo
-        )
-    return _finalize(tmp, final, step, extra, keep_last, process_group)
+
+    def write_and_publish() -> Path:  # DCP's errors and _finalize's reach every rank alike
+        with single_process(solo):
+            state = _saved_state(model, optimizer)
+            dcp.save(state, checkpoint_id=str(tmp), process_group=process_group, no_dist=solo)
+        return _finalize(tmp, final, step, extra, keep_last, process_group)
+
+    return discarding(write_and_publish, tmp, process_group)
 
 
 class PendingSave:
@@ -234,7 +164,7 @@ class PendingSave:
         self._future, self._publish, self._final = future, publish, final
         self._done: Path | None = None
         self._error: BaseException | None = None
-        _IN_FLIGHT.add(final)
+        IN_FLIGHT.add(final)
 
     def wait(self) -> Path:
         if self._error is not None:
@@ -247,7 +177,7 @@ class PendingSave:
                 self._error = e
                 raise
             finally:
-                _IN_FLIGHT.discard(self._final)
+                IN_FLIGHT.discard(self._final)
         return self._done
 
 
@@ -265,12 +195,16 @@ def async_save_checkpoint(
     ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
     the same step, or another async save, before then raises on every rank."""
     extra = _check_arguments(step, extra, keep_last)
-    tmp, final = _prepare(Path(root), step, process_group, asynchronous=True)
+    tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
     future = dcp.async_save(
         _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
     )
-    return PendingSave(future, lambda: _finalize(tmp, final, step, extra, keep_last, group), final.resolve())
+    return PendingSave(
+        future,
+        lambda: discarding(lambda: _finalize(tmp, final, step, extra, keep_last, group), tmp, group),
+        final.resolve(),
+    )
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
@@ -296,8 +230,8 @@ def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
         manifest = read_manifest(folder)
         return manifest, verify_files(folder, sorted(manifest["files"])[rank::world], manifest)
 
-    checked, error = _attempt(check)
-    _raise_together(error, group)
+    checked, error = attempt(check)
+    raise_together(error, group)
     manifest, problems = checked
     everyone = sorted(p for part in collectives.gather_objects(problems, group) for p in part)
     if everyone:
@@ -322,11 +256,20 @@ def load_checkpoint(
     its param groups against the optimizer's; a failure raises on every rank. ``optimizer_state``:
     ``"load"`` (default) loads the optimizer's state and refuses a checkpoint without it;
     ``"fresh"`` loads the weights alone and restarts ``optimizer`` (zero momentum, step 0), as when
-    switching from another optimizer.
+    switching from another optimizer. Whether an optimizer is passed (and its type),
+    ``optimizer_state`` and ``step`` must be the same on every rank: a difference raises on every
+    rank, naming the argument, before anything is read.
     """
-    fresh = check_optimizer_state(optimizer_state, optimizer)
+    fresh = agree(
+        "load_checkpoint",
+        process_group,
+        lambda: (check_optimizer_state(optimizer_state, optimizer), {}),
+        optimizer=None if optimizer is None else type(optimizer).__qualname__,
+        optimizer_state=optimizer_state,
+        step=step,
+    )
     chosen, error = collectives.broadcast_object(
-        _attempt(lambda: step if step is not None else latest_step(root)), process_group
+        attempt(lambda: step if step is not None else latest_step(root)), process_group
     )
     if error is not None:
         raise error
@@ -335,7 +278,7 @@ def load_checkpoint(
     folder = step_dir(root, chosen)
     manifest = _verify(folder, process_group)
     state = _state(model, None if fresh else optimizer)
-    _raise_together(_attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
+    raise_together(attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
     _read(folder, manifest["files"], state, process_group)
     _apply(state, model, optimizer, fresh)
     if fresh and collectives.rank_and_size(process_group)[0] == 0:

@@ -16,17 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from .._sharding.blocks import Block
 from .._sharding.param_layout import local_of
 from ..sharding import layout_of
 from ._warnings import single_process
+from .agree import agree
 from .manifest import CheckpointError, verify_folder
 from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
 
@@ -215,14 +218,44 @@ def _listed(names: Iterable[str]) -> str:
     return shown or "nothing"
 
 
+def _plan(model: nn.Module, folder: Path, strict: bool) -> tuple[tuple[dict, dict], dict[str, Any]]:
+    """This rank's files and targets, every name and shape checked; the facts every rank must share:
+    the names it will load, with their shapes."""
+    files, targets = _file_of(folder), _targets(model)
+    shapes = _shapes(files)
+    _check_names(folder, targets, shapes, strict)
+    return (files, targets), {"names loaded": {n: shapes[n] for n in targets if n in files}}
+
+
+def _load_group(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[bool, dist.ProcessGroup | None]:
+    """Whether ranks load together, and over which group: ``group`` if given, else every rank where
+    the model holds a DTensor (its shards are loaded collectively); a plain model is a rank's own."""
+    if group is not None or not dist.is_initialized():
+        return group is not None, group
+    return any(isinstance(t, DTensor) for t in _targets(model).values()), None
+
+
 @torch.no_grad()
-def load_safetensors(model: nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
+def load_safetensors(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    *,
+    strict: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
     """Copy weights from safetensors files into ``model``'s (possibly sharded) parameters and
     persistent buffers. Names are matched without wrapper components (``_orig_mod.``,
-    ``_checkpoint_wrapped_module.``); every name and shape is checked before anything is copied."""
-    files = _file_of(Path(folder))
-    targets = _targets(model)
-    _check_names(Path(folder), targets, _shapes(files), strict)
+    ``_checkpoint_wrapped_module.``); every name and shape is checked before anything is copied.
+    Collective over ``process_group`` (default: every rank when the model holds DTensors, none for
+    a plain model): a file or name missing on one rank, or another ``strict``, raises on every rank
+    of the group before anything is copied."""
+    together, group = _load_group(model, process_group)
+    if not together:
+        (files, targets), _ = _plan(model, Path(folder), strict)
+    else:
+        files, targets = agree(
+            "load_safetensors", group, lambda: _plan(model, Path(folder), strict), strict=strict
+        )
     # Every layout before any copy (collective, in model order on every rank; may refuse a placement).
     todo = [(name, t, layout_of(t, name)) for name, t in targets.items() if name in files]
     with contextlib.ExitStack() as stack:
