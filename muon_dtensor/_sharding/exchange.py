@@ -54,6 +54,14 @@ def _rects(block: Block) -> Iterator[tuple[slice, slice, slice, slice]]:
 
 def _assemble(full: Tensor, block: Block, piece: Tensor) -> None:
     """Write a block (any shape holding its elements in block order) into the full matrix."""
+    rows, cols = block
+    if (
+        len(rows) == 1
+        and cols == ((0, full.shape[-1]),)
+        and piece.shape == (rows[0][1] - rows[0][0], cols[0][1])
+    ):
+        full[rows[0][0] : rows[0][1]].copy_(piece)  # full-width rows, already 2-D: one slice, one copy
+        return
     local = piece.reshape(block_shape(block))
     for gr, gc, lr, lc in _rects(block):
         full[gr, gc] = local[lr, lc]

@@ -40,9 +40,9 @@ import torch
 
 from .._sharding.blocks import block_numel
 from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
-from .._sharding.runs import owner_copies
 from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from .hardware import Hardware, fit_latency_bandwidth
+from .host_ops import StepShape, step_ops
 from .links import back_links, pipeline_seconds, to_owner_links
 from .plans import hsdp_plan, sharded_plan
 from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
@@ -77,16 +77,14 @@ class Implementation:
     ``+=`` 12; copy to bf16 6: 54 bytes.
     Update: copy to fp32 6, ``*= lr`` 8, ``param *= 1 - lr wd`` 8, ``-=`` 12: 34 bytes. Every bf16
     element packed for an all-to-all or assembled into a full matrix is read and written: 4 bytes.
-    Host: per local matrix, 2 ops before (allocate its Newton-Schulz input, cut its block) and 2 after
-    (reshape, allocate its scaled update); per bucket of ``bucket_elements``, 10 multi-tensor calls
-    (momentum 6, scale 2, update 2).
+    Host: the ops ``host_ops.step_ops`` counts from the busiest rank's routes; per bucket of
+    ``bucket_elements``, ``pre_bucket_ops`` multi-tensor calls for the momentum and
+    ``post_bucket_ops`` for the update.
     """
 
     pre_bytes: float = 54.0
     post_bytes: float = 34.0
     copy_bytes: float = 4.0
-    pre_ops: int = 2
-    post_ops: int = 2
     pre_bucket_ops: int = 6
     post_bucket_ops: int = 4
     bucket_elements: int = 1 << 26  # elementwise.BUCKET_ELEMENTS
@@ -100,9 +98,7 @@ CURRENT = Implementation()
 CURRENT_CPU = Implementation(batched_ns=False, bucket_elements=1 << 17)
 # Not built: one fused kernel for momentum (read g, buf; write buf, bf16 input: 4+4+4+2) and one for
 # the update (read param, bf16 result; write param: 4+2+4) per bucket.
-FUSED = replace(
-    CURRENT, pre_bytes=14.0, post_bytes=10.0, pre_ops=1, post_ops=1, pre_bucket_ops=1, post_bucket_ops=1
-)
+FUSED = replace(CURRENT, pre_bytes=14.0, post_bytes=10.0, pre_bucket_ops=1, post_bucket_ops=1)
 
 
 @dataclass(frozen=True)
@@ -165,28 +161,21 @@ def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, c
 
 
 def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tuple[float, float, float]:
-    """Eager ops before, during and after the exchange, on the busiest rank."""
-    n, matrices = plan.group_size, len(plan.entries)
-    owned = [[i for rnd in plan.rounds for i in rnd.owned_by(r)] for r in range(n)]
-    owned_count = max(len(mine) for mine in owned)
-    shapes_per_round = max(
-        len({plan.entries[i].shape for i in rnd.owned_by(r)}) for rnd in plan.rounds for r in range(n)
-    )
-    ns_calls = shapes_per_round * len(plan.rounds) if impl.batched_ns else owned_count
-    # blocks an owner assembles a matrix from: its replica's (all n without replicas)
-    sources = [n // _replicas(e) for e in plan.entries]
-    if n == 1:
-        exchange = 0
-    elif plan.mode == "gather":  # pack each block for its replica's other ranks, assemble every matrix
-        exchange = sum(s - 1 for s in sources) + sum(sources)
-    else:  # pack each block once; an owner assembles and packs back in strided runs where it can
-        copies = [owner_copies(e.blocks, e.shape[-1], _replicas(e)) for e in plan.entries]
-        exchange = matrices + max(sum(copies[i] for i in mine) for mine in owned)
-    collectives = 0 if n == 1 else 2 * len(plan.rounds) + 1
+    """Eager ops before, during and after the exchange, on the rank that owns the most Newton-Schulz
+    work, counted from its routes as the code issues them (``host_ops.step_ops``, held to the
+    profiler's count by tests/test_host_model.py); the step's checks count with the first phase."""
+    busiest = max(range(plan.group_size), key=lambda r: plan.loads[r])
     buckets = math.ceil(local / impl.bucket_elements)
-    pre = matrices * impl.pre_ops + buckets * impl.pre_bucket_ops
-    post = matrices * impl.post_ops + buckets * impl.post_bucket_ops
-    return pre, ns_calls * (3 + 3 * ns_steps) + exchange + collectives, post
+    shape = StepShape(
+        muon_params=len(plan.entries),
+        muon_buckets=buckets,
+        batched=impl.batched_ns,
+        ns_steps=ns_steps,
+        momentum_ops=impl.pre_bucket_ops,
+        update_ops=impl.post_bucket_ops,
+    )
+    parts = step_ops(plan, busiest, shape)
+    return parts["checks"] + parts["pre"], parts["exchange"], parts["post"]
 
 
 def _busiest_ns_flops(plan: Plan, config: NSConfig) -> int:
