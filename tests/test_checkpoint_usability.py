@@ -61,7 +61,8 @@ def test_weights_only_load_still_checks_the_weights(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 1, model, opt)
     wider = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(
-        CheckpointError, match=r"does not match this model\. Missing from the checkpoint: model\.0"
+        CheckpointError,
+        match=r"does not match this model\. Nothing was loaded\. Missing from the checkpoint: model\.0",
     ):
         load_checkpoint(tmp_path, wider)
 

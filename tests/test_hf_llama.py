@@ -51,9 +51,8 @@ def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path: P
 
     # safetensors out: transformers loads it offline and sees the checkpoint's weights.
     out = tmp_path / "hf"
-    export_safetensors(tmp_path / "ckpt" / f"step_{SPLIT:08d}", out, max_shard_bytes=40_000)
-    assert (out / "model.safetensors.index.json").is_file()
-    config().save_pretrained(out)
+    export_safetensors(tmp_path / "ckpt" / f"step_{SPLIT:08d}", out, max_shard_bytes=40_000, config=config())
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
     loaded = dict(LlamaForCausalLM.from_pretrained(out).named_parameters())
     for name, p in first["params"].items():
         assert torch.equal(loaded[name].detach(), p), name
@@ -145,3 +144,21 @@ def from_safetensors(folder: str) -> dict[str, torch.Tensor]:
     model = build(seed=9)
     load_safetensors(model, folder)
     return _weights(model)
+
+
+def test_export_writes_the_config_or_says_it_is_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``from_pretrained`` reads ``config.json``: export writes it from ``config=`` (a Hugging Face
+    config or a dict), and warns when neither it nor a file already there gives one."""
+    from muon_dtensor.checkpoint.safetensors import _write_config
+
+    _write_config(tmp_path, {"model_type": "llama", "hidden_size": 32})
+    assert '"hidden_size": 32' in (tmp_path / "config.json").read_text()
+    (tmp_path / "hf").mkdir()
+    _write_config(tmp_path / "hf", config())
+    assert LlamaConfig.from_pretrained(tmp_path / "hf").hidden_size == 32
+    with caplog.at_level("WARNING"):
+        (tmp_path / "bare").mkdir()
+        _write_config(tmp_path / "bare", None)
+    assert "no config.json" in caplog.text and "config=model.config" in caplog.text

@@ -121,7 +121,8 @@ def _finalize(
         if error is None and keep_last is not None:
             prune(final.parent, keep_last, step)
     raise_together(error, group)
-    log.info("saved %s", final)
+    if rank == 0:  # one line per save, not one per rank
+        log.info("saved %s", final)
     return final
 
 

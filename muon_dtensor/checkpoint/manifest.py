@@ -255,10 +255,10 @@ def _tensor_keys(flat: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
-def _short(keys: Iterable[str]) -> str:
+def _short(keys: Iterable[str], most: int = 12) -> str:
     keys = sorted(keys)
-    shown = ", ".join(keys[:12])
-    return shown + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
+    shown = ", ".join(keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def _part(key: str) -> str:
@@ -280,11 +280,11 @@ def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
     missing, unexpected = wanted.keys() - saved.keys(), saved.keys() - wanted.keys()
     if missing or unexpected:
         why, hint = _optimizer_only(missing | unexpected)
+        most = 3 if hint else 12  # the fix first; a few keys after it say enough
         raise CheckpointError(
-            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}{why}. "
-            "Missing from the checkpoint: "
-            f"{_short(missing) or 'nothing'}. Unexpected in the checkpoint: {_short(unexpected) or 'nothing'}. "
-            f"Nothing was loaded.{hint}"
+            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}{why}."
+            f"{hint} Nothing was loaded. Missing from the checkpoint: {_short(missing, most) or 'nothing'}. "
+            f"Unexpected in the checkpoint: {_short(unexpected, most) or 'nothing'}."
         )
     wrong = [f"{k}: saved {saved[k]}, expected {wanted[k]}" for k in sorted(wanted) if saved[k] != wanted[k]]
     if wrong:

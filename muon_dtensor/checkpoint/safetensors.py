@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ from ._warnings import single_process
 from .agree import agree
 from .manifest import CheckpointError, verify_folder
 from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
+
+log = logging.getLogger(__name__)
 
 __all__ = ["export_safetensors", "load_safetensors"]
 
@@ -81,8 +84,13 @@ def export_safetensors(
     prefix: str = "model.",
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
+    config: Any = None,
 ) -> list[Path]:
     """Write the ``prefix`` tensors of a DCP checkpoint folder as safetensors; returns the files.
+
+    ``from_pretrained`` also needs a ``config.json`` beside the weights: ``config`` (a Hugging Face
+    config, e.g. ``model.config``, or a dict) is written there; without it and without one already
+    in ``out_dir``, a warning says so.
 
     Names lose ``prefix`` (``model.layers.0.q.weight`` -> ``layers.0.q.weight``), so a checkpoint of a
     Hugging Face model exports under the names ``from_pretrained`` expects. With ``max_shard_bytes``
@@ -95,6 +103,7 @@ def export_safetensors(
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _write_config(out, config)
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         path = out / "model.safetensors"
@@ -110,6 +119,23 @@ def export_safetensors(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     return paths
+
+
+def _write_config(out: Path, config: Any) -> None:
+    """``config.json`` for ``from_pretrained``: from ``config`` when given, else say it is missing."""
+    if config is None:
+        if not (out / "config.json").is_file():
+            log.warning(
+                "%s has no config.json, which from_pretrained needs: pass config=model.config to "
+                "export_safetensors, or call model.config.save_pretrained(%r)",
+                out,
+                str(out),
+            )
+        return
+    if hasattr(config, "to_json_string"):  # a transformers PretrainedConfig
+        (out / "config.json").write_text(config.to_json_string())
+    else:
+        (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
 
 
 def _file_of(path: Path) -> dict[str, Path]:
