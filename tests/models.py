@@ -152,3 +152,20 @@ def model_grads(model: nn.Module, offset: int) -> Callable[[int], list[torch.Ten
     """Full gradients for ``model``'s parameters at each step, seeded ``offset + step``."""
     shapes = [p.shape for p in model.parameters()]
     return lambda step: random_grads(shapes, offset + step)
+
+
+def trained_net(seed: int = 0) -> tuple[nn.Module, Optimizer]:
+    """A Net and its Muon after one step, so weights and momentum are not the initial ones."""
+    from muon_dtensor import Muon, split_params
+
+    torch.manual_seed(seed)
+    model = Net()
+    opt = Muon(split_params(model), lr=0.02)
+    model(torch.arange(6).reshape(2, 3)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the model's state dict."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -22,10 +22,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 import muon_dtensor.checkpoint as ckpt
-from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint.manifest import MANIFEST, file_record, read_manifest
 from muon_dtensor.checkpoint.safe_read import read_metadata
-from tests.models import Net
+from tests.models import state_copy, trained_net
 
 
 class _Mkdir:
@@ -41,19 +40,6 @@ class _Mkdir:
 def _metadata(folder: Path) -> Any:
     """DCP's metadata of a folder this test wrote itself (so unpickling it freely is safe)."""
     return pickle.loads((folder / ".metadata").read_bytes())
-
-
-def _trained(seed: int = 0) -> tuple[nn.Module, Muon]:
-    torch.manual_seed(seed)
-    model = Net()
-    opt = Muon(split_params(model), lr=0.02)
-    model(torch.arange(6).reshape(2, 3)).square().mean().backward()
-    opt.step()
-    return model, opt
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
@@ -76,8 +62,8 @@ def _resign(folder: Path) -> None:
 
 def _load_error(root: Path, marker: Path | None = None) -> str:
     """Load into a fresh model: a CheckpointError (an Exception) with the model untouched, no marker."""
-    model, opt = _trained(1)
-    before = _weights(model)
+    model, opt = trained_net(1)
+    before = state_copy(model)
     with pytest.raises(ckpt.CheckpointError) as caught:
         ckpt.load_checkpoint(root, model, opt)
     assert _unchanged(model, before)
@@ -88,7 +74,7 @@ def _load_error(root: Path, marker: Path | None = None) -> str:
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     """A root with step 1 of a trained Net and its Muon (two param groups)."""
-    model, opt = _trained()
+    model, opt = trained_net()
     ckpt.save_checkpoint(tmp_path / "root", 1, model, opt, extra={"data_step": 3})
     return tmp_path / "root"
 
@@ -130,7 +116,7 @@ def test_a_metadata_payload_never_runs_in_export(saved: Path, tmp_path: Path, re
 def test_a_pickled_param_group_entry_never_runs(tmp_path: Path) -> None:
     """A save writes a valid manifest for whatever the groups hold: here an ``lr`` that is a payload."""
     marker = tmp_path / "ran"
-    model, opt = _trained()
+    model, opt = trained_net()
     opt.param_groups[0]["lr"] = _Mkdir(marker)
     ckpt.save_checkpoint(tmp_path / "root", 1, model, opt)
     shutil.rmtree(marker, ignore_errors=True)  # a deepcopy inside the save may have run it here
@@ -252,9 +238,11 @@ def test_export_of_the_root_names_a_step_folder(saved: Path, tmp_path: Path) -> 
 
 def test_export_still_writes_what_load_reads(saved: Path, tmp_path: Path) -> None:
     files = ckpt.export_safetensors(saved / "step_00000001", tmp_path / "out")
-    model, _ = _trained(1)
+    model, _ = trained_net(1)
     ckpt.load_safetensors(model, tmp_path / "out")
-    assert files == [tmp_path / "out" / "model.safetensors"] and _unchanged(model, _weights(_trained()[0]))
+    assert files == [tmp_path / "out" / "model.safetensors"] and _unchanged(
+        model, state_copy(trained_net()[0])
+    )
 
 
 def test_latest_step_checks_the_newest_manifest_and_the_root(saved: Path) -> None:
@@ -278,7 +266,7 @@ def test_load_checkpoint_of_a_step_folder_names_the_root(saved: Path) -> None:
 
 
 def _exported(tmp_path: Path) -> Path:
-    model, _ = _trained()
+    model, _ = trained_net()
     out = tmp_path / "st"
     out.mkdir()
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -291,8 +279,8 @@ def _exported(tmp_path: Path) -> Path:
 
 
 def _safetensors_error(folder: Path) -> str:
-    model, _ = _trained(1)
-    before = _weights(model)
+    model, _ = trained_net(1)
+    before = state_copy(model)
     with pytest.raises(ckpt.CheckpointError) as caught:
         ckpt.load_safetensors(model, folder)
     assert _unchanged(model, before)
@@ -301,7 +289,7 @@ def _safetensors_error(folder: Path) -> str:
 
 def test_load_safetensors_refuses_a_truncated_file(tmp_path: Path) -> None:
     out = _exported(tmp_path)
-    ckpt.load_safetensors(_trained(1)[0], out)  # the good files load
+    ckpt.load_safetensors(trained_net(1)[0], out)  # the good files load
     (out / "b.safetensors").write_bytes((out / "b.safetensors").read_bytes()[:-10])
     assert "b.safetensors" in _safetensors_error(out)
 

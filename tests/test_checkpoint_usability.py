@@ -14,40 +14,26 @@ from torch import nn
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from tests.models import Net, build, full
+from tests.models import build, full, state_copy, trained_net
 from tests.ranks import run_ranks
 
 TIMEOUT = 120.0  # seconds per multi-rank call
 SINGLE = "assuming the intent is to"  # DCP: "... is to save / load in a single process"
 
 
-def _trained(seed: int = 0) -> tuple[nn.Module, Muon]:
-    """A Net and its optimizer after one step, so weights and momentum are not the initial ones."""
-    torch.manual_seed(seed)
-    model = Net()
-    opt = Muon(split_params(model), lr=0.02)
-    model(torch.arange(6).reshape(2, 3)).square().mean().backward()
-    opt.step()
-    return model, opt
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def test_weights_only_load_of_a_checkpoint_saved_with_an_optimizer(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained_net()
     save_checkpoint(tmp_path, 1, model, opt, extra={"data_step": 1})
-    fresh, _ = _trained(seed=1)
+    fresh, _ = trained_net(seed=1)
     assert load_checkpoint(tmp_path, fresh) == {"step": 1, "data_step": 1}
-    saved, loaded = _weights(model), _weights(fresh)
+    saved, loaded = state_copy(model), state_copy(fresh)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
 def test_full_load_still_checks_the_optimizer(tmp_path: Path) -> None:
-    model, _ = _trained()
+    model, _ = trained_net()
     save_checkpoint(tmp_path, 1, model)  # weights only
-    fresh, opt = _trained(seed=1)
+    fresh, opt = trained_net(seed=1)
     with pytest.raises(CheckpointError, match=r"Missing from the checkpoint: optim\.state\."):
         load_checkpoint(tmp_path, fresh, opt)
     save_checkpoint(tmp_path, 2, model, Muon(split_params(model), lr=0.02))
@@ -57,7 +43,7 @@ def test_full_load_still_checks_the_optimizer(tmp_path: Path) -> None:
 
 
 def test_weights_only_load_still_checks_the_weights(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained_net()
     save_checkpoint(tmp_path, 1, model, opt)
     wider = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(
@@ -96,7 +82,7 @@ def test_single_process_save_and_load_do_not_warn_but_other_warnings_pass(
 ) -> None:
     monkeypatch.setattr(dcp, "save", _other_warning(dcp.save))
     monkeypatch.setattr(dcp, "load", _other_warning(dcp.load))
-    model, opt = _trained()
+    model, opt = trained_net()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         save_checkpoint(tmp_path, 1, model, opt)
@@ -109,7 +95,7 @@ def test_single_process_save_and_load_do_not_warn_but_other_warnings_pass(
 
 def test_dcp_itself_still_warns_outside_the_helpers(tmp_path: Path) -> None:
     """The filter is scoped to the helpers: a plain ``dcp.save`` afterwards still warns."""
-    model, _ = _trained()
+    model, _ = trained_net()
     save_checkpoint(tmp_path / "a", 1, model)
     with pytest.warns(UserWarning, match=SINGLE):
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "b"))
