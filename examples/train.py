@@ -250,7 +250,12 @@ def train(args: argparse.Namespace) -> None:
         schedule.step()
         if step % args.log_every == 0 or step == args.steps:
             rate = (step - start) / (time.perf_counter() - clock)
-            log(f"step {step}/{args.steps} loss {loss:.4f} lr {lr:.5f} ({rate:.1f} steps/s)")
+            m = opt.metrics()  # flat floats: what a trainer hands to wandb or TensorBoard as is
+            log(
+                f"step {step}/{args.steps} loss {loss:.4f} lr {lr:.5f} ({rate:.1f} steps/s) "
+                f"update rms {m['muon/update_rms']:.2e} sent {m['muon/bytes_sent'] / 1e6:.2f} MB "
+                f"Newton-Schulz {m['muon/orthogonalized']:.0f} matrices"
+            )
         if step % args.save_every == 0 or step == args.steps:
             extra = {"data_step": step, "scheduler": schedule.state_dict(), "schedule": schedule_of(args)}
             folder = save_checkpoint(args.ckpt, step, model, opt, extra=extra, keep_last=args.keep_last)

@@ -16,6 +16,7 @@ sharded step equals the one-process step bit for bit (docs/design.md).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -85,14 +86,14 @@ def muon_step(
     do not hold the parameter's column 0), and the domains' views have their ``lead`` columns.
     ``compute``: what an owner runs on a batch of full matrices (``resolve_orthogonalize``)."""
     ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
-    compute = compute or resolve_orthogonalize(hyper, config)
+    compute = _timed(compute or resolve_orthogonalize(hyper, config), stats)
     if hyper.normuon:
         assert second_moments is not None, "a NorMuon step needs its second moments"
         ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]
     assembled = _update_buffers(params, domains)
     for domain in domains:
         pairs = list(domain.members)
-        finalize: Finalize = partial(_finalize, pairs, params, assembled, hyper)
+        finalize: Finalize = partial(_finalize, pairs, params, assembled, hyper, stats)
         if hyper.normuon:
             assert second_moments is not None
             finalize = partial(_strip_second_moment, pairs, second_moments, finalize)
@@ -166,17 +167,49 @@ def _cut(pairs: Sequence[tuple[int, View]], ns_in: Sequence[Tensor], k: int) -> 
     return view.cut(ns_in[pos])
 
 
+def _timed(
+    compute: Callable[[Sequence[Tensor]], list[Tensor]], stats: CommStats | None
+) -> Callable[[Sequence[Tensor]], list[Tensor]]:
+    """``compute``, its host seconds added to ``stats.ns_seconds`` (on CUDA: the time to issue it)."""
+    if stats is None:
+        return compute
+
+    def timed(matrices: Sequence[Tensor]) -> list[Tensor]:
+        start = time.perf_counter()
+        out = compute(matrices)
+        stats.ns_seconds += time.perf_counter() - start
+        return out
+
+    return timed
+
+
+def _record_update(stats: CommStats, results: Sequence[Tensor], lrs: Sequence[float]) -> None:
+    """Add this rank's pieces' sum of (adjusted lr * result)^2 to ``stats``: a few ops per round, on
+    the device, never read here (no host sync)."""
+    pieces = [(r, lr) for r, lr in zip(results, lrs) if r.numel()]
+    if not pieces:
+        return
+    norms = torch.stack(torch._foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32))
+    weights = torch.tensor([lr * lr for _, lr in pieces], device=norms.device)
+    total = (norms.square() * weights).sum()
+    stats.update_sq = total if stats.update_sq is None else stats.update_sq + total
+    stats.update_elements += sum(r.numel() for r, _ in pieces)
+
+
 def _finalize(
     pairs: Sequence[tuple[int, View]],
     params: Sequence[Tensor],
     assembled: dict[int, Tensor],
     hyper: MuonHyper,
+    stats: CommStats | None,
     members: Sequence[int],
     results: Sequence[Tensor],
 ) -> None:
     """This rank's pieces of a round's results: whole-matrix parameters updated now, the others
     scaled and placed into their update."""
     lrs = [adjust_lr(hyper.lr, hyper.adjust_lr_fn, pairs[k][1].matrix_shape) for k in members]
+    if stats is not None:
+        _record_update(stats, results, lrs)
     now = [i for i, k in enumerate(members) if pairs[k][0] not in assembled]
     later = [i for i, k in enumerate(members) if pairs[k][0] in assembled]
     apply_results(

@@ -82,8 +82,8 @@ class Muon(Optimizer):
             max_round_bytes=max_round_bytes,
             owners=owners,
             ns_split=ns_split,
+            ns_dtype=validation.ns_dtype_name(ns_dtype),
         )
-        defaults["ns_dtype"] = validation.ns_dtype_name(ns_dtype)
         validation.check_muon_group(defaults)
         validation.check_process_group(process_group)
         self._process_group = process_group
@@ -128,6 +128,7 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         follow_replaced(self.state, self.param_groups, self._params)
+        self.comm_stats.begin_step()
         configs, work = self._checks.run(self.param_groups, self._process_group)  # one sum per scope
         with releasing_peers():  # a rank that raises from here on tells its peers to stop waiting
             shardings = [
@@ -177,12 +178,13 @@ class Muon(Optimizer):
             compute=resolve_orthogonalize(MuonHyper.of(group), config, self._orthogonalize),
         )
 
-    def memory(self) -> dict[str, int]:
-        """This rank's state bytes per kind and the predicted ``"peak_transient"`` bytes of a step."""
+    def memory(self) -> dict[str, int]:  # state bytes per kind, "peak_transient" of a step
         return report.memory(self)
 
-    def describe(self) -> str:
-        """The coverage table: algorithms, elements, matrices, owner balance, what AdamW got and why."""
+    def metrics(self, qk_clip: Any = None) -> dict[str, float]:  # the last step's, this rank's
+        return report.metrics(self, qk_clip)
+
+    def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
         return report.describe(self)
 
 

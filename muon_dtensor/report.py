@@ -5,6 +5,7 @@ rank 0). Reads the optimizer's state and its groups' plans; the arithmetic is ``
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -13,16 +14,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._sharding.comm import CommStats
 from ._sharding.memory import group_peak
 from ._sharding.param_layout import local_of
 from ._sharding.views import whole_matrix
 from .param_groups import refusal
 from .policy import split_policy
 from .preflight import param_names
+from .qk_clip import QKClipFactors
 from .sharding import GroupSharding
 from .state import SECOND_MOMENT
 
-__all__ = ["KINDS", "describe", "log_once", "memory", "state_bytes"]
+__all__ = ["KINDS", "describe", "log_once", "memory", "metrics", "state_bytes"]
 
 logger = logging.getLogger("muon_dtensor")
 
@@ -32,6 +35,7 @@ class Muon(Protocol):
 
     param_groups: list[dict[str, Any]]
     state: Any
+    comm_stats: CommStats
     _shardings: dict[int, tuple[tuple, GroupSharding]]
 
     def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding: ...
@@ -155,3 +159,36 @@ def log_once(opt: Muon) -> None:
     opt._described = True  # type: ignore[attr-defined]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("%s", describe(opt, build=False))
+
+
+def metrics(opt: Muon, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[str, float]:
+    """This rank's figures of the last step, flat, for a trainer's logger: the update's RMS over the
+    matrix elements this rank holds (adjusted lr times the orthogonalized update; weight decay not
+    included), bytes sent and received, collectives, matrices orthogonalized here and their host
+    seconds, and the matrices per algorithm. Reads one device scalar (a host sync, here only). With
+    ``qk_clip`` (what ``qk_clip_all_`` returned): the largest logit before and after clipping."""
+    stats = opt.comm_stats
+    now = (stats.sent, stats.received, stats.collectives, stats.orthogonalized)
+    sent, received, collectives, done = (a - b for a, b in zip(now, stats.base))
+    squares = float(stats.update_sq) if stats.update_sq is not None else 0.0
+    out = {
+        "muon/update_rms": math.sqrt(squares / stats.update_elements) if stats.update_elements else 0.0,
+        "muon/update_elements": float(stats.update_elements),
+        "muon/bytes_sent": float(sent),
+        "muon/bytes_received": float(received),
+        "muon/collectives": float(collectives),
+        "muon/orthogonalized": float(done),
+        "muon/ns_seconds": stats.ns_seconds,
+        "muon/matrices": float(sum(len(v) for _, s in opt._shardings.values() for v in s.views)),
+        "adamw/tensors": float(sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")),
+    }
+    if qk_clip:
+        out["qk_clip/max_logit"] = max(float(f.max_logits.max()) for f in qk_clip)
+        out["qk_clip/max_logit_after"] = max(float(_clipped(f).max()) for f in qk_clip)
+    return out
+
+
+def _clipped(factors: QKClipFactors) -> Tensor:
+    """Each query head's max logit after clipping: times its factor and its key head's."""
+    k = factors.k.repeat_interleave(factors.q.numel() // max(factors.k.numel(), 1))
+    return factors.max_logits.float().cpu() * (factors.q * k).float().cpu()

@@ -41,7 +41,9 @@ __all__ = [
 class CommStats:
     """Bytes this rank sent to and received from other ranks, collectives issued and matrices
     this rank orthogonalized, for benchmarks and tests; ``sent_to`` splits ``sent`` by
-    destination (global rank), e.g. into bytes within and across HSDP replicas."""
+    destination (global rank), e.g. into bytes within and across HSDP replicas. Since the last
+    ``begin_step``: the update's sum of squares over this rank's pieces (a device scalar, read only
+    when asked: ``Muon.metrics``), their element count, and the host seconds of Newton-Schulz."""
 
     def __init__(self) -> None:
         self.reset()
@@ -50,6 +52,13 @@ class CommStats:
         self.sent = self.received = self.collectives = self.orthogonalized = 0
         self.live_bytes = self.peak_bytes = 0
         self.sent_to: dict[int, int] = {}
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        self.base = (self.sent, self.received, self.collectives, self.orthogonalized)
+        self.update_sq: Tensor | None = None
+        self.update_elements = 0
+        self.ns_seconds = 0.0
 
     def hold(self, nbytes: int) -> None:
         """Exchange buffers (sends, receives, assembled matrices) allocated; tracks the peak."""

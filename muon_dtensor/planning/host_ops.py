@@ -16,6 +16,7 @@ What each event costs, read from the code (``functional.py``, ``elementwise.py``
   own block, a slice and a view per received piece;
 - per Newton-Schulz call: cast, norm, clamp, divide, then per iteration the Gram product's
   transpose and product and two ``addmm`` (a batched call adds a stack and an unbind);
+- per round: the update's sum of squares that ``Muon.metrics`` reads, ``METRICS_ROUND``;
 - per step: the checks (flags, one sum per scope, the decisions), ``CHECK_OPS``.
 """
 
@@ -30,6 +31,7 @@ __all__ = ["CHECK_OPS", "CHECK_SCOPE_OPS", "StepShape", "step_ops"]
 
 NS_FIXED, NS_PER_ITERATION = 4, 4
 MOMENTUM_BUCKET, UPDATE_BUCKET, ADAMW_BUCKET, ADAMW_STEP = 6, 4, 14, 2
+METRICS_ROUND = 11  # the update's sum of squares for Muon.metrics, per round (profiled)
 CHECK_OPS, CHECK_SCOPE_OPS = (
     61,
     8,
@@ -84,7 +86,9 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     pre = shape.muon_params + shape.muon_buckets * momentum
     mid = sum(len(r.members) + _inbound(r.inbound, shape.batched, shape.ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound) for r in routes)
-    post = shape.muon_params + len(routes) * shape.muon_buckets * update  # a scaled update each
+    post = shape.muon_params + len(routes) * (
+        shape.muon_buckets * update + METRICS_ROUND
+    )  # a scaled update each
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}

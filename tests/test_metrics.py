@@ -1,0 +1,88 @@
+"""``Muon.metrics()``: the last step's figures, flat, for a trainer's logger.
+
+The update RMS is read back from the parameters themselves (their change, weight decay taken out),
+in one process and summed over 2 FSDP ranks; the counts come from the plan; QK-Clip's largest
+logit after clipping is at most the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from muon_dtensor import Muon, qk_clip_all_
+from tests.models import distribute_like, full
+from tests.ranks import run_ranks
+
+SHAPES = [(12, 8), (8, 20), (12, 8)]
+LR, WD = 0.02, 0.1
+
+
+def _params(gen: torch.Generator) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _measured_rms(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
+    """The update's RMS from the parameters: before * (1 - lr wd) - after."""
+    squares = sum(float((b * (1 - LR * WD) - a).double().square().sum()) for b, a in zip(before, after))
+    return math.sqrt(squares / sum(b.numel() for b in before))
+
+
+def test_one_process_figures() -> None:
+    gen = torch.Generator().manual_seed(0)
+    params = _params(gen)
+    bias = nn.Parameter(torch.randn(4, generator=gen))
+    opt = Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], lr=LR, weight_decay=WD)
+    for p in [*params, bias]:
+        p.grad = torch.randn(p.shape, generator=gen)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    m = opt.metrics()
+    assert math.isclose(
+        m["muon/update_rms"], _measured_rms(before, [p.detach() for p in params]), rel_tol=1e-4
+    )
+    assert m["muon/update_rms"] > 0 and m["muon/update_elements"] == sum(p.numel() for p in params)
+    assert (m["muon/matrices"], m["adamw/tensors"], m["muon/orthogonalized"]) == (3.0, 1.0, 3.0)
+    assert m["muon/bytes_sent"] == m["muon/collectives"] == 0.0 and m["muon/ns_seconds"] > 0
+    opt.step()  # the figures are the last step's, not the sum of two
+    assert opt.metrics()["muon/orthogonalized"] == 3.0
+
+
+def fsdp_figures() -> tuple[dict[str, float], float]:
+    """Rank function: FSDP-like Shard(0) DTensors; this rank's figures and the measured full RMS."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in _params(gen)]
+    opt = Muon(params, lr=LR, weight_decay=WD)
+    for p in params:
+        p.grad = distribute_like(p, torch.randn(p.shape, generator=gen))
+    before = [full(p.detach()).clone() for p in params]
+    opt.step()
+    return opt.metrics(), _measured_rms(before, [full(p.detach()) for p in params])
+
+
+def test_two_ranks_add_up_to_the_whole_update() -> None:
+    results = run_ranks(fsdp_figures, 2, timeout=120)
+    squares = sum(m["muon/update_rms"] ** 2 * m["muon/update_elements"] for m, _ in results)
+    elements = sum(m["muon/update_elements"] for m, _ in results)
+    assert elements == sum(math.prod(s) for s in SHAPES)
+    assert math.isclose(math.sqrt(squares / elements), results[0][1], rel_tol=1e-4)
+    assert sum(m["muon/orthogonalized"] for m, _ in results) == len(SHAPES)  # once in the world
+    assert all(m["muon/collectives"] >= 2 and m["muon/bytes_sent"] > 0 for m, _ in results)
+
+
+def test_qk_clip_figures() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(16, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    logits = torch.tensor([120.0, 3.0, 50.0, 400.0])
+    factors = qk_clip_all_([(q, k, logits)], head_dim=4, threshold=100.0)
+    opt = Muon([nn.Parameter(torch.randn(4, 4))])
+    m = opt.metrics(qk_clip=factors)
+    assert m["qk_clip/max_logit"] == 400.0
+    assert m["qk_clip/max_logit_after"] <= 100.0 * (1 + 1e-5)
