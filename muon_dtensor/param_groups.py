@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "refusal", "split_params"]
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "not_heads", "refusal", "split_params"]
 
 # Last component of the module path of common output heads (GPT-2/Llama "lm_head", torchtitan
 # "output", timm/torchvision "head", "fc", "classifier").
@@ -167,6 +167,12 @@ def _take_heads(
     taken = {id(p) for _, p in heads}
     muon[:] = [(n, p) for n, p in muon if id(p) not in taken]
     return heads
+
+
+def not_heads(names: Sequence[str]) -> list[str]:
+    """The parameter FQNs among ``names`` whose module is an output projection or an MLP matrix:
+    rows that are not attention heads (positional names match nothing)."""
+    return [n for n in names if _module_of(n) in _NOT_HEADS]
 
 
 def refusal(name: str, shape: tuple[int, ...], head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> str:

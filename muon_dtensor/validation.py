@@ -7,6 +7,7 @@ same check.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from ._sharding.param_layout import check_placements
 from ._sharding.plan import MODES, check_mode
 from .elementwise import ADJUST_LR
 from .newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
+from .param_groups import not_heads
 
 __all__ = [
     "MODES",
@@ -334,6 +336,14 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
             _check_split_sizes(p, name, group)
             if group.get("normuon", False):
                 _check_normuon_param(p, name, group)
+    if muon and group.get("head_dim") and (suspects := not_heads(names)):
+        warnings.warn(
+            f"head_dim={group['head_dim']} is set on a group holding {suspects}, whose rows are not "
+            "attention heads (an output projection or MLP): each block of head_dim rows is "
+            "orthogonalized alone, which changes their update. Put only the q, k, v projections in "
+            "the head_dim group: split_params(model, head_dim=d) builds it",
+            stacklevel=4,
+        )
 
 
 def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None:

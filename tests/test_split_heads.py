@@ -120,3 +120,20 @@ def test_a_transposed_conv1d_is_refused() -> None:
     model.query = pytorch_utils.Conv1D(3 * DIM, DIM)
     with pytest.raises(ValueError, match=r"Conv1D.*\['query\.weight'\]"):
         split_params(model, head_dim=D)
+
+
+def test_head_dim_set_by_hand_on_mlp_or_output_rows_warns() -> None:
+    """A group built by hand may still set head_dim on matrices whose rows are not heads: the
+    optimizer warns, naming them; q, k, v alone pass silently."""
+    import warnings
+
+    q = ("layers.0.self_attn.q_proj.weight", torch.nn.Parameter(torch.randn(8, 8)))
+    down = ("layers.0.mlp.down_proj.weight", torch.nn.Parameter(torch.randn(8, 16)))
+    o = ("layers.0.self_attn.o_proj.weight", torch.nn.Parameter(torch.randn(8, 8)))
+    with pytest.warns(
+        UserWarning, match=r"head_dim=4 .*down_proj.*o_proj.*split_params\(model, head_dim=d\)"
+    ):
+        Muon([{"params": [q, down, o], "head_dim": 4}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([{"params": [q], "head_dim": 4}])
