@@ -79,14 +79,15 @@ def muon_step(
     stats: CommStats | None = None,
     *,
     second_moments: Sequence[Tensor] | None = None,
-    compute: Callable[[Sequence[Tensor]], list[Tensor]] | None = None,
+    base: Orthogonalize = orthogonalize,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place; with
     ``hyper.normuon``, also the local NorMuon ``second_moments`` (a column, or none on the ranks that
     do not hold the parameter's column 0), and the domains' views have their ``lead`` columns.
-    ``compute``: what an owner runs on a batch of full matrices (``resolve_orthogonalize``)."""
+    ``base``: how an owner orthogonalizes a batch of full matrices (``resolve_orthogonalize`` makes
+    the group's one compute of it)."""
     ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
-    compute = _timed(compute or resolve_orthogonalize(hyper, config), stats)
+    compute = _timed(resolve_orthogonalize(hyper, config, base), stats)
     if hyper.normuon:
         assert second_moments is not None, "a NorMuon step needs its second moments"
         ns_in = [_with_second_moment(v, x) for v, x in zip(second_moments, ns_in)]

@@ -16,7 +16,7 @@ from ._sharding.comm import CommStats, releasing_peers
 from ._sharding.domains import ViewOptions
 from ._sharding.param_layout import local_grad, local_of
 from ._sharding.plan import DEFAULT_ROUND_BYTES
-from .functional import MuonHyper, Orthogonalize, muon_step, resolve_orthogonalize
+from .functional import MuonHyper, Orthogonalize, muon_step
 from .newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
 from .normuon import DEFAULT_BETA2
 from .policy import split_policy
@@ -175,7 +175,7 @@ class Muon(Optimizer):
             second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
             if group.get("normuon")
             else None,
-            compute=resolve_orthogonalize(MuonHyper.of(group), config, self._orthogonalize),
+            base=self._orthogonalize,
         )
 
     def memory(self) -> dict[str, int]:  # state bytes per kind, "peak_transient" of a step

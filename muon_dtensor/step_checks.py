@@ -10,8 +10,9 @@ set on every rank is the local check's error, raised everywhere. Scopes reduce i
 every rank and each carries the failures already learned, so a rank that only shares a later mesh
 with the failing one learns of it too.
 
-What does not change between steady steps is cached by parameter identity and settings: the
-digest, the names and the scopes. A step then rebuilds nothing but the per-rank flags.
+What does not change between steady steps is cached by parameter identity: the hash of the
+parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
+changes lr) and builds the per-rank flags.
 """
 
 from __future__ import annotations
