@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,6 +24,7 @@ __all__ = [
     "apply_results",
     "apply_updates",
     "buckets",
+    "empty_like_all",
     "muon_momentum",
     "nesterov_inputs",
     "scale_results",
@@ -158,11 +160,34 @@ def buckets(groups: Sequence[Sequence[Tensor]]) -> Iterator[tuple[list[int], lis
         yield index, bucket
 
 
+def empty_like_all(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[Tensor]:
+    """Fresh contiguous tensors shaped like ``tensors`` (in ``dtypes``, else theirs): one allocation
+    and one row split per trailing shape, dtype and device, not one allocation per tensor (each is
+    host work per step, and on a GPU a dispatch)."""
+    if not tensors:
+        return []
+    dtypes = list(dtypes) if dtypes is not None else [t.dtype for t in tensors]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
+        groups.setdefault((tuple(t.shape[1:]), t.ndim, dtype, t.device), []).append(i)
+    out: list[Tensor] = [tensors[0]] * len(tensors)
+    for (tail, ndim, dtype, device), index in groups.items():
+        if ndim == 0 or len(index) == 1:
+            for i in index:
+                out[i] = torch.empty(tensors[i].shape, dtype=dtype, device=device)
+            continue
+        rows = [int(tensors[i].shape[0]) for i in index]
+        pieces = torch.empty((sum(rows), *tail), dtype=dtype, device=device).split(rows)
+        for i, piece in zip(index, pieces):
+            out[i] = piece
+    return out
+
+
 def nesterov_inputs(
     bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float, nesterov: bool, dtype: torch.dtype
 ) -> list[Tensor]:
     """Update the momentum ``bufs`` in place; return the Newton-Schulz inputs, fresh and contiguous."""
-    ns_in = [torch.empty_like(b, dtype=dtype, memory_format=torch.contiguous_format) for b in bufs]
+    ns_in = empty_like_all(bufs, [dtype] * len(bufs))
     for _, (b, g, out) in buckets([bufs, grads, ns_in]):
         muon_momentum(b, g, out, momentum, nesterov)
     return ns_in
@@ -172,7 +197,7 @@ def scale_results(
     results: Sequence[Tensor], dtypes: Sequence[torch.dtype], lrs: Sequence[float]
 ) -> list[Tensor]:
     """Each result times its adjusted lr, in its parameter's dtype: fresh contiguous tensors."""
-    scaled = [torch.empty(o.shape, dtype=d, device=o.device) for o, d in zip(results, dtypes)]
+    scaled = empty_like_all(results, dtypes)
     for index, (src, dst) in buckets([results, scaled]):
         scale_updates(src, dst, [lrs[i] for i in index])
     return scaled
@@ -192,7 +217,7 @@ def apply_results(
     page faults on CPU; docs/benchmarks.md)."""
     results = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(results, params)]
     for index, (p, o) in buckets([list(params), results]):
-        scaled = [torch.empty(t.shape, dtype=t_p.dtype, device=t.device) for t, t_p in zip(o, p)]
+        scaled = empty_like_all(o, [t.dtype for t in p])
         scale_updates(o, scaled, [lrs[i] for i in index])
         apply_muon_update(p, scaled, lr=lr, weight_decay=weight_decay)
 

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, block_shape, shard_blocks
-from muon_dtensor._sharding.exchange import _assemble, _cut, _run_views
+from muon_dtensor._sharding.exchange import _assemble, _cut, _run_views, stacked
 from muon_dtensor._sharding.plan import MatrixEntry, build_plan
 from muon_dtensor._sharding.routes import Inbound, Outbound, RoundRoute, build_routes
-from muon_dtensor._sharding.runs import Run, merge_runs, owner_copies
+from muon_dtensor._sharding.runs import Run, merge_members, merge_runs, owner_copies, segments
 from muon_dtensor.planning.plans import hsdp_plan, sharded_plan
 
 ROWS: Block = (((0, 2),), ((0, 3),))
@@ -48,7 +48,7 @@ def test_what_breaks_a_run() -> None:
 
 def _layouts(n: int) -> list[list[MatrixEntry]]:
     """Even rows, uneven rows, columns, FSDP x TP grids and strided shards, several per round."""
-    shapes = [(8 * n, 24), (8 * n, 24), (5 * n + 3, 16), (12, 4 * n), (2 * n, 6)]
+    shapes = [(8 * n, 24)] * 2 * n + [(5 * n + 3, 16), (12, 4 * n), (2 * n, 6)]
     even = [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 0, n)])) for s in shapes]
     cols = [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 1, n)])) for s in shapes]
     grid = [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 0, 2), AxisShard(1, 1, n // 2)])) for s in shapes]
@@ -56,10 +56,26 @@ def _layouts(n: int) -> list[list[MatrixEntry]]:
     return [even, cols, grid, strided]
 
 
+def _stacks(route: Inbound, shapes: dict[int, tuple[int, int]], together: bool = True) -> dict[int, Tensor]:
+    """Full matrices of the route's stacks, each stack one tensor (``together``) as the exchange
+    assembles them, else separate (and every other one strided), as unbatched results are."""
+    out = {}
+    for shape, members in route.stacks:
+        if together:
+            out |= dict(zip(members, torch.zeros((len(members), *shape)).unbind(0)))
+        else:
+            out |= {
+                m: torch.zeros(shape) if i % 2 else torch.zeros(shape).mT.contiguous().mT
+                for i, m in enumerate(members)
+            }
+    return out
+
+
 def _assembled_by_runs(
     route: Inbound, buffer: Tensor, shapes: dict[int, tuple[int, int]]
 ) -> dict[int, Tensor]:
-    out = {m: torch.zeros(shapes[m]) for m, *_ in route.received}
+    out = _stacks(route, shapes)
+    out |= {m: torch.zeros(shapes[m]) for m, *_ in route.received if m not in out}
     for run in route.runs:
         pieces, rows = _run_views(buffer, out[run.member], run)
         rows.copy_(pieces)
@@ -81,8 +97,10 @@ def _assembled_by_blocks(
 def _packed_by_runs(route: Outbound, results: dict[int, Tensor]) -> Tensor:
     send = torch.full((sum(route.send_numels),), float("nan"))
     for run in route.send_runs:
-        pieces, rows = _run_views(send, results[run.member], run)
-        pieces.copy_(rows)
+        together = not run.more or stacked([results[m] for m in run.members])
+        for part in [run] if together else [run.single(j) for j in range(len(run.members))]:
+            pieces, rows = _run_views(send, results[part.member], part)
+            pieces.copy_(rows)
     for m, offset, block in route.send_loose:
         send[offset : offset + block_numel(block)].view(block_shape(block)).copy_(_cut(results[m], block))
     return send
@@ -96,7 +114,7 @@ def _packed_by_blocks(route: Outbound, results: dict[int, Tensor]) -> Tensor:
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_runs_move_what_the_block_copies_move(n: int) -> None:
     gen = torch.Generator().manual_seed(n)
-    merged = loose = 0
+    merged = loose = members = 0
     for entries in _layouts(n):
         shapes = {i: e.shape for i, e in enumerate(entries)}
         for rounds in (None, 200):
@@ -104,18 +122,38 @@ def test_runs_move_what_the_block_copies_move(n: int) -> None:
             for me in range(n):
                 for route in build_routes(plan, me):
                     merged += sum(r.count > 1 for r in route.inbound.runs + route.outbound.send_runs)
+                    members += sum(bool(r.more) for r in route.inbound.runs + route.outbound.send_runs)
                     loose += len(route.inbound.loose) + len(route.outbound.send_loose)
                     buffer = torch.randn(sum(route.inbound.recv_numels), generator=gen)
                     by_runs = _assembled_by_runs(route.inbound, buffer, shapes)
                     assert by_runs.keys() == _assembled_by_blocks(route.inbound, buffer, shapes).keys()
                     for m, full in _assembled_by_blocks(route.inbound, buffer, shapes).items():
                         assert torch.equal(by_runs[m], full)
-                    results = {m: torch.randn(shapes[m], generator=gen) for m in shapes}
-                    results |= {m: r.mT.contiguous().mT for m, r in list(results.items())[::2]}  # strided too
-                    if route.outbound.collective:
-                        packed = _packed_by_runs(route.outbound, results)
-                        assert torch.equal(packed, _packed_by_blocks(route.outbound, results))
+                    for together in (True, False):  # batched results, or one tensor each
+                        results = {m: torch.randn(shapes[m], generator=gen) for m in shapes}
+                        for m, r in _stacks(route.inbound, shapes, together).items():
+                            results[m] = r.copy_(torch.randn(shapes[m], generator=gen))
+                        if route.outbound.collective:
+                            packed = _packed_by_runs(route.outbound, results)
+                            assert torch.equal(packed, _packed_by_blocks(route.outbound, results))
     assert loose and (merged or n == 2), "the layouts exercise both paths (2 ranks: one source each)"
+    assert members, "same-shape matrices of a stack share a run"
+
+
+def test_only_a_stacks_neighbours_at_one_step_share_a_run() -> None:
+    runs = [Run(m, 0, 2, 1, 6 * i, 6) for i, m in enumerate([3, 4, 5, 7])]
+    # 3, 4, 5 are neighbours in one stack, 7 is not 5's successor
+    assert merge_members(runs, {3: 4, 4: 5, 5: 9}) == (Run(3, 0, 2, 1, 0, 6, (4, 5), 6), runs[3])
+    # another height or another step breaks the run
+    odd = [Run(3, 0, 2, 1, 0, 6), Run(4, 0, 1, 1, 6, 3), Run(5, 0, 2, 1, 20, 6)]
+    assert merge_members(odd, {3: 4, 4: 5}) == tuple(odd)
+    assert Run(3, 0, 2, 1, 0, 6, (4, 5), 6).single(2) == Run(5, 0, 2, 1, 12, 6)
+
+
+def test_segments_cat_same_width_pieces_together() -> None:
+    assert segments([16, 16, 16, 48, 48]) == ((0, 3, 16), (3, 5, 48))
+    assert segments([16, 48, 16, None, 8, 8]) == ((0, 4, None), (4, 6, 8))
+    assert segments([]) == ()
 
 
 def test_even_rows_take_a_few_copies_at_1024_ranks() -> None:

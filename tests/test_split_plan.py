@@ -129,12 +129,12 @@ def test_default_prediction_is_unchanged_and_split_never_slower() -> None:
         base = predict(LLAMA3_8B, n)
         assert predict(LLAMA3_8B, n, split=False) == base
         assert predict(LLAMA3_8B, n, split=True).total <= base.total
-    # Splits pay at 256+ and the step keeps falling with ranks, until the host's eager ops (counted
-    # from the routes, planning/host_ops.py) bound it: at 1,024 the split step is its host term.
+    # Splits pay at 256+ and the step keeps falling with ranks; the host's eager ops (counted from
+    # the routes, planning/host_ops.py) grow with shapes, not matrices, so they do not bound it.
     steps = [predict(LLAMA3_8B, n, split=True) for n in (128, 256, 512, 1024)]
     totals = [p.total for p in steps]
     assert totals == sorted(totals, reverse=True) and totals[-1] < 0.6 * predict(LLAMA3_8B, 1024).total
-    assert steps[-1].total == steps[-1].host
+    assert steps[-1].host < steps[-1].total
 
 
 def test_split_shortens_the_70b_step_at_1024() -> None:

@@ -213,7 +213,8 @@ def test_cost_model_picks_mesh_owners_for_llama_and_replicas_for_slow_links() ->
     assert mesh.total < replica.total and predict(LLAMA3_8B, 8, replicas=8, owners="auto") == mesh
     assert replica.total == predict(LLAMA3_8B, 8).total  # each replica runs one shard group's step
     assert mesh.newton_schulz == pytest.approx(predict(LLAMA3_8B, 64).newton_schulz)
-    shapes = [(64, 64)] * 8  # little Newton-Schulz, and a link across nodes at 1 MB/s
+    # enough Newton-Schulz that doing it once per mesh shows, and a link across nodes at 1 MB/s
+    shapes = [(1024, 1024)] * 8
     slow = Hardware.h200(inter_node_bandwidth=1e6, gpus_per_node=2)
     entries = _mesh_entries(shapes, 2, 2)
     times = compare_owners(entries, [0, 0, 1, 1], slow)

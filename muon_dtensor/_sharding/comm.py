@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import has_cpu_backend
+from .runs import segments
 
 __all__ = [
     "CommStats",
@@ -275,8 +276,8 @@ def pack_chunks(
     """``chunks[d]`` flattened and concatenated in rank order: the send buffer and its segments."""
     send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
     flat = [c for per_dest in chunks for c in per_dest]
-    if flat and all(c.dtype == dtype for c in flat):  # one cat: one op per chunk fewer than copies
-        return torch.cat([c.reshape(-1) for c in flat]), send_numels
+    if flat and all(c.dtype == dtype for c in flat):
+        return _cat_flat(flat, sum(send_numels)), send_numels
     send = torch.empty(sum(send_numels), dtype=dtype, device=device)
     offset = 0
     for c in (c for per_dest in chunks for c in per_dest):
@@ -284,6 +285,29 @@ def pack_chunks(
         send[offset : offset + c.numel()].view(c.shape).copy_(c)
         offset += c.numel()
     return send, send_numels
+
+
+def _cat_flat(pieces: Sequence[Tensor], total: int) -> Tensor:
+    """``pieces`` flattened and concatenated: each run of same-width 2-D pieces one row-wise ``cat``
+    (no op per piece), the others flattened one by one (``runs.segments``)."""
+    parts = segments([p.shape[1] if p.ndim == 2 else None for p in pieces])
+    if len(parts) == 1:
+        first, stop, cols = parts[0]
+        if cols is not None:
+            return torch.cat(list(pieces)).view(-1)
+        return torch.cat([p.reshape(-1) for p in pieces])
+    send = pieces[0].new_empty(total)
+    offset = 0
+    for first, stop, cols in parts:
+        group = list(pieces[first:stop])
+        numel = sum(p.numel() for p in group)
+        dest = send[offset : offset + numel]
+        if cols is not None:
+            torch.cat(group, out=dest.view(sum(p.shape[0] for p in group), cols))
+        else:
+            torch.cat([p.reshape(-1) for p in group], out=dest)
+        offset += numel
+    return send
 
 
 def start_exchange(

@@ -13,7 +13,6 @@ the matrices it owns never enter a collective: they are read from (and sliced in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from torch import Tensor
 from .blocks import Block, block_numel, block_shape
 from .comm import CommStats, pack_chunks, start_exchange
 from .gangs import SplitRoute
-from .routes import Inbound, Outbound, RoundRoute
+from .routes import Inbound, Outbound, OwnBatch, RoundRoute
 from .runs import Run
 
 __all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan"]
@@ -82,15 +81,67 @@ def _cut(full: Tensor, block: Block) -> Tensor:
 
 
 def _run_views(buffer: Tensor, matrix: Tensor, run: Run) -> tuple[Tensor, Tensor]:
-    """A run's blocks as (count, rows, cols) views of the flat buffer and of the matrix."""
+    """A run's blocks as views of the flat buffer and of the matrix: (count, rows, cols), or with
+    several members (members, count, rows, cols), the matrix then the first of a contiguous stack."""
     cols = matrix.shape[-1]
     size, stride = (run.count, run.rows, cols), (run.stride, cols, 1)
+    rows_at = matrix.storage_offset() + run.row * cols
+    if run.more:
+        batch = (len(run.members), *size)
+        flat = buffer.as_strided(batch, (run.step, *stride), buffer.storage_offset() + run.offset)
+        return flat, matrix.as_strided(batch, (matrix.numel(), run.rows * cols, cols, 1), rows_at)
     flat = buffer.as_strided(size, stride, buffer.storage_offset() + run.offset)
     if matrix.is_contiguous():  # assembled here, or a result: its run of rows is one strided view
-        rows = matrix.as_strided(size, (run.rows * cols, cols, 1), matrix.storage_offset() + run.row * cols)
+        rows = matrix.as_strided(size, (run.rows * cols, cols, 1), rows_at)
     else:
         rows = matrix[run.row : run.row + run.count * run.rows].unflatten(0, (run.count, run.rows))
     return flat, rows
+
+
+def stacked(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` lie back to back in one storage, each contiguous (as a stack's
+    ``unbind`` leaves them): one strided view can then cover them all."""
+    first = tensors[0]
+    size = first.numel() * first.element_size()
+    return all(
+        t.is_contiguous()
+        and t.shape == first.shape
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.data_ptr() == first.data_ptr() + i * size
+        for i, t in enumerate(tensors)
+    )
+
+
+def _batch_view(matrix: Tensor, count: int, block: Block) -> Tensor:
+    """(count, rows, cols) view of the same full-width row block of ``count`` stacked matrices."""
+    (r0, r1), cols = block[0][0], matrix.shape[-1]
+    return matrix.as_strided(
+        (count, r1 - r0, cols), (matrix.numel(), cols, 1), matrix.storage_offset() + r0 * cols
+    )
+
+
+def _own_in(batches: Sequence[OwnBatch], where: dict[int, Tensor], local: dict[int, Tensor]) -> None:
+    """My own blocks of the matrices I assemble, from my local pieces: one multi-tensor copy per
+    batch of stack neighbours, else a copy each."""
+    for members, block in batches:
+        pieces = [local[m] for m in members]
+        shape = block_shape(block)
+        if len(members) > 1 and all(p.shape == shape for p in pieces):
+            torch._foreach_copy_(list(_batch_view(where[members[0]], len(members), block).unbind(0)), pieces)
+            continue
+        for m, piece in zip(members, pieces):
+            _assemble(where[m], block, piece)
+
+
+def _own_out(batches: Sequence[OwnBatch], results: dict[int, Tensor]) -> dict[int, Tensor]:
+    """My blocks of the results I computed: one view per batch of stacked results, else one each."""
+    out: dict[int, Tensor] = {}
+    for members, block in batches:
+        if len(members) > 1 and stacked([results[m] for m in members]):
+            out.update(zip(members, _batch_view(results[members[0]], len(members), block).unbind(0)))
+            continue
+        out.update({m: _cut(results[m], block) for m in members})
+    return out
 
 
 def _to_owners(
@@ -117,8 +168,7 @@ def _to_owners(
         where = {m: full for ms, fulls in stacks for m, full in zip(ms, fulls)} | parts
         for m in route.copies:
             where[m].copy_(local[m])
-        for m, block in route.own:
-            _assemble(where[m], block, local[m])
+        _own_in(route.own_batches, where, local)
         for run in route.runs:
             pieces, rows = _run_views(received, where[run.member], run)
             rows.copy_(pieces)
@@ -141,13 +191,15 @@ def _to_blocks(
     """Step 4: start sending results back; the returned function waits and returns my blocks."""
     if not route.collective:
         out = {m: ref.new_empty(shape) for m, shape in route.empty}
-        out.update({m: _cut(results[m], block) for m, block in route.own})
+        out.update(_own_out(route.own_batches, results))
         return lambda: out
     assert group is not None
     send = torch.empty(sum(route.send_numels), dtype=ref.dtype, device=ref.device)
     for run in route.send_runs:
-        pieces, rows = _run_views(send, results[run.member], run)
-        pieces.copy_(rows)
+        singles = [run] if not run.more or stacked([results[m] for m in run.members]) else None
+        for part in singles or [run.single(j) for j in range(len(run.members))]:
+            pieces, rows = _run_views(send, results[part.member], part)
+            pieces.copy_(rows)
     for m, offset, block in route.send_loose:
         piece = _cut(results[m], block)
         send[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
@@ -155,9 +207,13 @@ def _to_blocks(
 
     def finish() -> dict[int, Tensor]:
         returned = receive().split(list(route.recv_numels))
-        out = {m: _cut(results[m], block) for m, block in route.own}
-        for m, src, offset, shape in route.received:
-            out[m] = returned[src][offset : offset + math.prod(shape)].view(shape)
+        out = _own_out(route.own_batches, results)
+        for src, offset, cols, members, rows in route.received_batches:
+            if len(members) == 1:
+                out[members[0]] = returned[src][offset : offset + rows[0] * cols].view(rows[0], cols)
+                continue
+            segment = returned[src][offset : offset + sum(rows) * cols]
+            out.update(zip(members, segment.view(sum(rows), cols).split(list(rows))))
         if stats is not None:
             stats.release(sum(route.recv_numels) * ref.element_size())
         return out

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from .blocks import Block, block_numel, block_shape
 from .gangs import SplitRoute, split_route
 from .plan import EVERYONE, Plan, Round
-from .runs import Run, merge_runs
+from .runs import Run, merge_members, merge_runs
 
 __all__ = ["Inbound", "Outbound", "RoundRoute", "build_routes"]
 
 Shape = tuple[int, ...]
+# consecutive members of a stack and the block each holds alike (one copy for them all, or one each)
+OwnBatch = tuple[tuple[int, ...], Block]
+# (source, offset, columns, members, their rows): a source's consecutive pieces of equal width
+ReceivedBatch = tuple[int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Inbound:
     runs: tuple[Run, ...]  # ``received`` as strided copies from the flat receive buffer
     loose: tuple[tuple[int, int, Block], ...]  # (member, flat offset, block) copied one by one
     parts: tuple[tuple[int, Shape], ...] = ()
+    own_batches: tuple[OwnBatch, ...] = ()  # ``own``, batched
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class Outbound:
     send_numels: tuple[int, ...] = ()  # per group rank: elements of ``sends`` to it
     send_runs: tuple[Run, ...] = ()  # ``sends`` as strided copies into the flat send buffer
     send_loose: tuple[tuple[int, int, Block], ...] = ()  # (member, flat offset, block) copied one by one
+    own_batches: tuple[OwnBatch, ...] = ()  # ``own``, batched
+    received_batches: tuple[ReceivedBatch, ...] = ()  # ``received``, batched
 
 
 @dataclass(frozen=True)
@@ -110,29 +117,36 @@ def _inbound(plan: Plan, rnd: Round, me: int) -> Inbound:
     starts = _starts(recv)
     items = [(m, starts[src] + off, b) for m, src, off, b in received]
     runs, loose = merge_runs(items, _cols(plan, rnd.members))
+    stacks = _stacks(plan, [m for m in mine if m not in parts])
+    own = tuple((m, plan.entries[m].blocks[me]) for m in incoming)
     return Inbound(
         direct=direct,
         collective=not direct and len(replicated) < len(rnd.members),
         sends=tuple(tuple(s) for s in sends),
         recv_numels=tuple(recv),
-        stacks=_stacks(plan, [m for m in mine if m not in parts]),
+        stacks=stacks,
         copies=tuple(m for m in mine if m in replicated and not direct),
-        own=tuple((m, plan.entries[m].blocks[me]) for m in incoming),
+        own=own,
         received=tuple(received),
-        runs=runs,
+        runs=merge_members(runs, _after(stacks)),
         loose=tuple(items[i] for i in loose),
         parts=tuple((m, plan.entries[m].shape) for m in mine if m in parts),
+        own_batches=_own_batches(plan, own, _after(stacks)),
     )
 
 
 def _outbound(plan: Plan, rnd: Round, me: int) -> Outbound:
     mine = rnd.owned_by(me)
+    parts = {i for g in plan.gangs for i in g.parts}
+    after = _after(_stacks(plan, [m for m in mine if m not in parts]))
     local = plan.mode == "gather" or plan.group_size == 1 or _all_local(plan, rnd)
     own = tuple((m, plan.entries[m].blocks[me]) for m in mine)
     if local:
         empty = tuple((m, block_shape(plan.entries[m].blocks[me])) for m in rnd.members if m not in mine)
         zeros = (0,) * plan.group_size
-        return Outbound(False, ((),) * plan.group_size, zeros, own, (), empty)
+        return Outbound(
+            False, ((),) * plan.group_size, zeros, own, (), empty, own_batches=_own_batches(plan, own, after)
+        )
     sends = tuple(
         () if d == me else tuple((m, plan.entries[m].blocks[d]) for m in mine) for d in range(plan.group_size)
     )
@@ -145,7 +159,54 @@ def _outbound(plan: Plan, rnd: Round, me: int) -> Outbound:
     items = [item for per_dest, start in zip(sends, _starts(numels)) for item in _laid(per_dest, start)]
     runs, loose = merge_runs(items, _cols(plan, rnd.members))
     rest = tuple(items[i] for i in loose)
-    return Outbound(True, sends, tuple(recv), own, tuple(received), (), numels, runs, rest)
+    return Outbound(
+        True,
+        sends,
+        tuple(recv),
+        own,
+        tuple(received),
+        (),
+        numels,
+        merge_members(runs, after),
+        rest,
+        _own_batches(plan, own, after),
+        _received_batches(received),
+    )
+
+
+def _after(stacks: Sequence[tuple[Shape, tuple[int, ...]]]) -> dict[int, int]:
+    """The member after each in its stack: neighbours in one batched tensor."""
+    return {ms[i]: ms[i + 1] for _, ms in stacks for i in range(len(ms) - 1)}
+
+
+def _own_batches(plan: Plan, own: Sequence[tuple[int, Block]], after: dict[int, int]) -> tuple[OwnBatch, ...]:
+    """``own`` as runs of stack neighbours whose block is the same full-width row range."""
+    out: list[tuple[list[int], Block]] = []
+    for m, block in own:
+        last = out[-1] if out else None
+        whole_rows = len(block[0]) == 1 and block[1] == ((0, plan.entries[m].shape[-1]),)
+        if last is not None and whole_rows and after.get(last[0][-1]) == m and last[1] == block:
+            last[0].append(m)
+        else:
+            out.append(([m], block))
+    return tuple((tuple(ms), block) for ms, block in out)
+
+
+def _received_batches(received: Sequence[tuple[int, int, int, Shape]]) -> tuple[ReceivedBatch, ...]:
+    """A source's consecutive pieces of the same width, back to back in its segment."""
+    out: list[tuple[int, int, int, list[int], list[int]]] = []
+    for m, src, offset, shape in received:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and (last[0], last[2]) == (src, shape[1])
+            and offset == last[1] + sum(last[4]) * shape[1]
+        ):
+            last[3].append(m)
+            last[4].append(shape[0])
+        else:
+            out.append((src, offset, shape[1], [m], [shape[0]]))
+    return tuple((src, off, cols, tuple(ms), tuple(rows)) for src, off, cols, ms, rows in out)
 
 
 def _starts(numels: Sequence[int]) -> list[int]:
@@ -171,11 +232,21 @@ def _cols(plan: Plan, members: Sequence[int]) -> dict[int, int]:
     return {m: plan.entries[m].shape[-1] for m in members}
 
 
+def _by_shape(plan: Plan, rnd: Round) -> Round:
+    """The round's members ordered by shape (then index), the same on every rank: a stack's members
+    travel back to back in every segment, so their copies merge (``merge_members``)."""
+    order = sorted(
+        range(len(rnd.members)), key=lambda i: (plan.entries[rnd.members[i]].shape, rnd.members[i])
+    )
+    return Round(tuple(rnd.members[i] for i in order), tuple(rnd.owners[i] for i in order))
+
+
 def build_routes(plan: Plan, me: int) -> tuple[RoundRoute, ...]:
     """Group rank ``me``'s route through every round of ``plan``: pure, built once with the plan."""
+    rounds = [_by_shape(plan, r) for r in plan.rounds]
     return tuple(
         RoundRoute(
             r.members, _inbound(plan, r, me), _outbound(plan, r, me), split_route(plan.gangs, r.members, me)
         )
-        for r in plan.rounds
+        for r in rounds
     )

@@ -12,11 +12,11 @@ places are the same, so the step is unchanged bit for bit; other blocks stay one
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .blocks import Block, block_numel
 
-__all__ = ["Run", "merge_runs", "owner_copies"]
+__all__ = ["Run", "merge_members", "merge_runs", "owner_copies", "segments"]
 
 Item = tuple[int, int, Block]  # (member, flat offset in the buffer, its block of the matrix)
 
@@ -32,6 +32,16 @@ class Run:
     count: int
     offset: int
     stride: int
+    more: tuple[int, ...] = ()  # members after ``member`` in its stack, each's blocks ``step`` further on
+    step: int = 0
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return (self.member, *self.more)
+
+    def single(self, j: int) -> Run:
+        """The part of this run that is its ``j``-th member's: a run of one member."""
+        return Run(self.members[j], self.row, self.rows, self.count, self.offset + j * self.step, self.stride)
 
 
 def _row_range(block: Block, cols: int) -> tuple[int, int] | None:
@@ -71,6 +81,50 @@ def merge_runs(items: Sequence[Item], cols: Mapping[int, int]) -> tuple[tuple[Ru
             done.append(run)
         open_runs[member] = Run(member, start, rows, 1, offset, rows * cols[member])
     return tuple(done) + tuple(open_runs.values()), tuple(loose)
+
+
+def merge_members(runs: Sequence[Run], after: Mapping[int, int]) -> tuple[Run, ...]:
+    """``runs`` with runs of consecutive members of a stack (``after[m]``: the member after ``m`` in
+    its stack) merged where they have the same rows, count and stride and their blocks lie a fixed
+    step apart in the buffer (every source sends a stack's members in order): one copy per stack
+    and run of sources, not per matrix."""
+    out: list[Run] = []
+    for run in sorted(runs, key=lambda r: r.offset):
+        if out and _joins(out[-1], run, after):
+            last = out[-1]
+            out[-1] = replace(last, more=(*last.more, run.member), step=last.step or run.offset - last.offset)
+        else:
+            out.append(run)
+    return tuple(out)
+
+
+def _joins(group: Run, run: Run, after: Mapping[int, int]) -> bool:
+    if after.get(group.members[-1]) != run.member:
+        return False
+    if (group.row, group.rows, group.count, group.stride) != (run.row, run.rows, run.count, run.stride):
+        return False
+    step = group.step or run.offset - group.offset
+    return step > 0 and run.offset == group.offset + len(group.members) * step
+
+
+def segments(cols: Sequence[int | None]) -> tuple[tuple[int, int, int | None], ...]:
+    """Consecutive pieces packed together into a flat buffer: (first, stop, cols) of each maximal
+    run of at least two 2-D pieces with the same ``cols`` (one row-wise ``cat`` into a 2-D view),
+    and (first, stop, None) of the pieces between (flattened, one ``cat``); ``None``: not 2-D."""
+    out: list[tuple[int, int, int | None]] = []
+    i = 0
+    while i < len(cols):
+        j = i + 1
+        while j < len(cols) and cols[i] is not None and cols[j] == cols[i]:
+            j += 1
+        if j - i > 1:
+            out.append((i, j, cols[i]))
+        elif out and out[-1][2] is None:
+            out[-1] = (out[-1][0], j, None)
+        else:
+            out.append((i, j, None))
+        i = j
+    return tuple(out)
 
 
 def owner_copies(blocks: Sequence[Block], cols: int, replicas: int = 1) -> int:

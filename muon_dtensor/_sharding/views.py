@@ -58,7 +58,12 @@ class View:
         if t.ndim == 0 or t.numel() == 0 or c.rows == _EMPTY:
             return local.new_empty((0, 0))
         t = t if t.ndim == 2 else t.reshape(t.shape[0], -1)
-        rows = t[c.rows[0][0] : c.rows[0][1]] if len(c.rows) == 1 else torch.cat([t[a:b] for a, b in c.rows])
+        if c.rows == ((0, t.shape[0]),):
+            rows = t  # every local row (a whole-matrix parameter): no slice op
+        elif len(c.rows) == 1:
+            rows = t[c.rows[0][0] : c.rows[0][1]]
+        else:
+            rows = torch.cat([t[a:b] for a, b in c.rows])
         if c.cols is None:
             return rows
         if c.cols == _EMPTY:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._sharding.blocks import block_shape
 from .._sharding.plan import Plan
-from .._sharding.routes import Inbound, Outbound, build_routes
+from .._sharding.routes import Inbound, Outbound, OwnBatch, build_routes
+from .._sharding.runs import segments
 
 __all__ = ["CHECK_OPS", "CHECK_SCOPE_OPS", "StepShape", "step_ops"]
 
@@ -59,23 +61,58 @@ def _ns_call(ns_steps: int) -> int:
     return NS_FIXED + NS_PER_ITERATION * ns_steps
 
 
-def _inbound(route: Inbound, batched: bool, ns_steps: int) -> int:
+def _allocs(shapes: list[tuple[int, ...]]) -> int:
+    """``elementwise.empty_like_all`` for tensors of ``shapes`` (one dtype and device): one
+    allocation and a split per trailing shape, an allocation alone for a shape met once."""
+    groups: dict[tuple[int, ...], int] = {}
+    for shape in shapes:
+        groups[shape[1:]] = groups.get(shape[1:], 0) + 1
+    return sum(1 if n == 1 else 2 for n in groups.values())
+
+
+def _pack(cols: list[int | None]) -> int:
+    """``comm._cat_flat`` over pieces of these widths: one cat per same-width run, else a reshape
+    each; a buffer and a slice per segment when there are several."""
+    if not cols:
+        return 1  # an empty send buffer
+    parts = segments(cols)
+    each = [2 if c is not None else stop - first + 1 for first, stop, c in parts]
+    return each[0] if len(parts) == 1 else 1 + sum(n + 1 for n in each)
+
+
+def _own_in(batches: tuple[OwnBatch, ...]) -> int:
+    return sum(3 if len(members) > 1 else 2 for members, _ in batches)
+
+
+def _own_out(batches: tuple[OwnBatch, ...], stacked: set[int]) -> int:
+    """A view and an unbind per batch of stacked results, else a slice each."""
+    return sum(2 if len(ms) > 1 and ms[0] in stacked else len(ms) for ms, _ in batches)
+
+
+def _inbound(plan: Plan, rank: int, route: Inbound, batched: bool, ns_steps: int) -> int:
     ops = 0
     if route.collective:
-        chunks = sum(len(s) for s in route.sends)
-        ops += (chunks + 1 if chunks else 1) + 1  # pack (reshapes and a cat, or an empty), receive
+        sent = [m for per_dest in route.sends for m in per_dest]
+        ops += _pack([block_shape(plan.entries[m].blocks[rank])[1] for m in sent]) + 1  # and receive
         ops += 2 * len(route.stacks) + len(route.parts) + len(route.copies)
-        ops += 2 * len(route.own) + 3 * len(route.runs) + 6 * len(route.loose)
+        ops += _own_in(route.own_batches) + 3 * len(route.runs) + 6 * len(route.loose)
     for _, members in route.stacks:
         ops += 2 + _ns_call(ns_steps) if batched and len(members) > 1 else len(members) * _ns_call(ns_steps)
     return ops
 
 
-def _outbound(route: Outbound) -> int:
+def _outbound(route: Outbound, stacked: set[int]) -> int:
     if not route.collective:
-        return len(route.empty) + len(route.own)
-    ops = 1 + 3 * len(route.send_runs) + 4 * len(route.send_loose) + 2  # send, receive, split
-    return ops + len(route.own) + 2 * len(route.received)
+        return len(route.empty) + _own_out(route.own_batches, stacked)
+    runs = sum(3 if r.member in stacked else 3 * len(r.members) for r in route.send_runs)
+    ops = 1 + runs + 4 * len(route.send_loose) + 2  # send, receive, split
+    received = sum(3 if len(b[3]) > 1 else 2 for b in route.received_batches)
+    return ops + _own_out(route.own_batches, stacked) + received
+
+
+def _stacked(route: Inbound, batched: bool) -> set[int]:
+    """Members whose results come back as one batched tensor (a batched call's ``unbind``)."""
+    return {m for _, ms in route.stacks if batched and len(ms) > 1 for m in ms}
 
 
 def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dict[str, int]:
@@ -83,12 +120,13 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     routes = build_routes(plan, rank)
     momentum = shape.momentum_ops - (0 if shape.nesterov else 2)
     update = shape.update_ops - (0 if shape.weight_decay else 1)
-    pre = shape.muon_params + shape.muon_buckets * momentum
-    mid = sum(len(r.members) + _inbound(r.inbound, shape.batched, shape.ns_steps) for r in routes)
-    mid += sum(_outbound(r.outbound) for r in routes)
-    post = shape.muon_params + len(routes) * (
-        shape.muon_buckets * update + METRICS_ROUND
-    )  # a scaled update each
+    # whole-matrix parameters: a piece is the local tensor itself (no cut), its result its update
+    local = [block_shape(e.blocks[rank]) for e in plan.entries]
+    pre = (_allocs(local) if shape.muon_params else 0) + shape.muon_buckets * momentum
+    mid = sum(_inbound(plan, rank, r.inbound, shape.batched, shape.ns_steps) for r in routes)
+    mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
+    results = [_allocs([block_shape(plan.entries[m].blocks[rank]) for m in r.members]) for r in routes]
+    post = sum(results) + len(routes) * (shape.muon_buckets * update + METRICS_ROUND)
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}
