@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ._sharding.param_layout import same_layout
 
-__all__ = ["PreflightItem", "layout_text", "local_flags", "param_names", "raise_for"]
+__all__ = ["PreflightItem", "layout_text", "local_flags", "param_names", "presence", "raise_for"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,31 @@ def local_flags(params: Sequence[Tensor]) -> Tensor:
 
 
 _ABSENT, _SPARSE, _PRESENT = (0, 0, 0), (1, 1, 0), (1, 0, 0)
+_NOT_A_SPEC = object()  # a plain parameter's stand-in spec: no gradient's ``_spec`` is it
+
+
+def specs_of(params: Sequence[Tensor]) -> tuple[tuple[Any, Any], ...]:
+    """Per parameter, its DTensor spec and local shape as now (what ``presence`` compares a
+    gradient with; cached with the parameters, so a steady step reads none of them again)."""
+    return tuple(
+        (p._spec, p._local_tensor.shape) if isinstance(p, DTensor) else (_NOT_A_SPEC, None) for p in params
+    )
+
+
+def presence(params: Sequence[Tensor], specs: Sequence[tuple[Any, Any]]) -> tuple[bytes, int]:
+    """Per parameter 1 if it has a gradient, and how many gradients are sparse or laid out unlike
+    their parameter (``local_flags`` says which): the steady step's short form of the flags. A
+    gradient built with its parameter's own spec and local shape (FSDP2's) is the first case."""
+    bits, bad = bytearray(len(params)), 0
+    for i, (p, (spec, shape)) in enumerate(zip(params, specs)):
+        grad: Any = p.grad
+        if grad is None:
+            continue
+        bits[i] = 1
+        if getattr(grad, "_spec", None) is spec and grad._local_tensor.shape == shape:
+            continue
+        bad += int(grad.is_sparse or not same_layout(p, grad))
+    return bytes(bits), bad
 
 
 def layout_text(t: Tensor | None) -> str:

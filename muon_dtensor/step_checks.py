@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ._sharding.comm import gather_over_scope, sum_over_scopes
 from .agreement import all_params, digest_pieces, explain, scope_entries, settings_of
 from .newton_schulz import NSConfig
-from .preflight import PreflightItem, local_flags, param_names, raise_for
+from .preflight import PreflightItem, local_flags, param_names, presence, raise_for, specs_of
 from .validation import check_group
 
 __all__ = ["StepChecks"]
@@ -46,6 +46,8 @@ class _Layout:
     names: tuple[str, ...]  # their names, for errors
     scope_of: Tensor  # per parameter: the index of its scope, -1 for none
     sizes: tuple[int, ...]  # per group: its parameter count
+    specs: tuple[tuple[Any, Any], ...]  # per parameter: its spec and local shape (preflight.presence)
+    scoped: tuple[tuple[int, ...], ...]  # per scope: its parameters' indices
 
 
 class StepChecks:
@@ -62,19 +64,22 @@ class StepChecks:
         with a gradient to apply; raises the same error on every rank of a scope."""
         layout = self._layout_of(groups, ddp_group)
         configs, error = _local_checks(groups)
-        flags = local_flags(layout.flat)
+        bits, bad = presence(layout.flat, layout.specs)
         digests = [
             digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
             for text, members in zip(layout.params, layout.members)
         ]
-        heads, sums, ranks = _reduce(layout.scopes, digests, flags, error is not None)
+        held = [_bits_pieces(bits, scoped) for scoped in layout.scoped]
+        heads, ranks = _reduce(layout.scopes, digests, held, bad, error is not None)
         for k, head in enumerate(heads):
-            if _disagree(head):
+            if _disagree(head[:7]):
                 _explain(groups, ddp_group, layout.scopes[k])
         if error is not None or any(head[7] for head in heads):
             _raise_together(error, heads)
-        present = iter(_present(layout, flags, sums, ranks))
-        return configs, [[i for i in range(size) if next(present)] for size in layout.sizes]
+        slow = [k for k, head in enumerate(heads) if head[14] or _disagree([head[0], *head[8:14]])]
+        present = list(bits) if not (slow or bad) else _present_slow(layout, slow, ranks)
+        it = iter(present)
+        return configs, [[i for i in range(size) if next(it)] for size in layout.sizes]
 
     def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
         key = (
@@ -113,6 +118,8 @@ def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layou
         tuple(n for i, g in enumerate(groups) for n in param_names(g, i)),
         torch.tensor(scope_of, dtype=torch.int64),
         tuple(len(g["params"]) for g in groups),
+        specs_of([p for g in groups for p in g["params"]]),
+        tuple(tuple(i for i, s in enumerate(scope_of) if s == k) for k in range(len(per_scope))),
     )
 
 
@@ -135,21 +142,47 @@ def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | 
 
 
 def _reduce(
-    scopes: Sequence[Any], digests: Sequence[Sequence[int]], flags: Tensor, failed: bool
-) -> tuple[list[list[int]], list[Tensor], list[int]]:
-    """Per scope, in order, ``[1, digest pieces, their squares, failures]`` and the ``[n, 3]`` flags,
-    summed over the scope, and its rank count. A scope's row carries the failures of the scopes
-    before it."""
-    heads, sums, ranks = [], [], []
+    scopes: Sequence[Any],
+    digests: Sequence[Sequence[int]],
+    held: Sequence[Sequence[int]],
+    bad: int,
+    failed: bool,
+) -> tuple[list[list[int]], list[int]]:
+    """Per scope, in order, ``[1, digest pieces, their squares, failures, gradient-presence digest
+    pieces, their squares, bad gradients]`` summed over the scope, and its rank count. A scope's
+    row carries the failures of the scopes before it."""
+    heads, ranks = [], []
     known = int(failed)
-    for scope, pieces in zip(scopes, digests):
-        head = torch.tensor([1, *pieces, *(x * x for x in pieces), known], dtype=torch.int64)
-        ((summed, size),) = sum_over_scopes(torch.cat([head, flags.flatten()]), [scope])
-        heads.append(summed[:8].tolist())
-        sums.append(summed[8:].view(flags.shape))
+    for scope, pieces, bits in zip(scopes, digests, held):
+        squares = [x * x for x in pieces]
+        head = torch.tensor(
+            [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad], dtype=torch.int64
+        )
+        ((summed, size),) = sum_over_scopes(head, [scope])
+        heads.append(summed.tolist())
         ranks.append(size)
         known = max(known, int(heads[-1][7] > 0))
-    return heads, sums, ranks
+    return heads, ranks
+
+
+def _bits_pieces(bits: bytes, scoped: Sequence[int]) -> list[int]:
+    """The presence bits of a scope's parameters as a 63-bit digest in three pieces: equal on
+    every rank of the scope iff (but for a 2^-63 collision) every rank has the same gradients."""
+    return digest_pieces(bytes(bits[i] for i in scoped).hex())
+
+
+def _present_slow(layout: _Layout, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
+    """Some scope's ranks hold gradients unlike each other, or a bad one: the full flags summed
+    over those scopes (every rank of such a scope saw the same sums, so all of them reduce) to
+    name the parameter. A scope whose ranks agree sums to its rank count times the local flags."""
+    flags = local_flags(layout.flat)
+    sums = []
+    for k, scope in enumerate(layout.scopes):
+        if k in slow:
+            sums.append(sum_over_scopes(flags.flatten(), [scope])[0][0].view(flags.shape))
+        else:
+            sums.append(flags * torch.tensor([ranks[k], 1, 1], dtype=torch.int64))
+    return _present(layout, flags, sums, ranks)
 
 
 def _disagree(row: Sequence[int]) -> bool:

@@ -25,6 +25,7 @@ from tests.ranks import RankError, run_ranks
 
 CASES = [
     ("grad_on_some_ranks", "RuntimeError", r"'blocks.1.w' has a gradient on 1 of 2 rank"),
+    ("grads_on_other_params", "RuntimeError", r"'blocks.0.w' has a gradient on 1 of 2 rank"),
     ("sparse_grad_on_one_rank", "RuntimeError", r"sparse gradients: 'head.w' has one on 1 of 2"),
     ("mislaid_grad_on_one_rank", "ValueError", r"gradient of 'blocks.0.w' is not laid out like"),
     ("non_2d_dtensor", "ValueError", r"only supports 2D parameters.*'blocks.0.conv'.*adamw"),
@@ -104,6 +105,16 @@ def grad_on_some_ranks() -> None:
     opt.step()
 
 
+def grads_on_other_params() -> None:
+    """As many gradients on every rank, on different parameters: the count alone cannot tell (a
+    steady step sums a digest of which parameters have one)."""
+    params = _two(_mesh())
+    opt = Muon(params)
+    mine = params[dist.get_rank() % 2][1]
+    mine.grad = _grad_like(mine)
+    opt.step()
+
+
 def sparse_grad_on_one_rank() -> None:
     plain = nn.Parameter(torch.randn(4, 4))
     params = _two(_mesh())
@@ -178,6 +189,7 @@ RANK_CASES: dict[str, Callable[[], Any]] = {
     f.__name__: f
     for f in (
         grad_on_some_ranks,
+        grads_on_other_params,
         sparse_grad_on_one_rank,
         mislaid_grad_on_one_rank,
         rank_outside_mesh,

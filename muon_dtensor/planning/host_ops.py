@@ -6,18 +6,21 @@ count of top-level ``aten::`` ops (``benchmarks/bench_host.py``'s model, 2 and 4
 What each event costs, read from the code (``functional.py``, ``elementwise.py``,
 ``_sharding/exchange.py``, ``_sharding/comm.py``, ``step_checks.py``, ``newton_schulz.py``):
 
-- per local Muon parameter: its Newton-Schulz input allocated (1); per member of a round, its piece
-  cut (1);
+- per trailing shape of the local Muon parameters: their Newton-Schulz inputs allocated at once
+  (an allocation and a split; 1 for a shape met once), and so the scaled updates of each round; a
+  whole-matrix piece needs no cut;
 - per bucket of elementwise work: momentum 6 multi-tensor calls (4 without Nesterov), the update 4
   (3 without weight decay), AdamW 14, plus 2 per AdamW step (the counters' add and read);
-- per round with an all-to-all: the send buffer (one reshape per piece and a cat), a receive buffer,
-  per shape stack an allocation and an unbind, per own block a slice and a copy, per strided run
-  two views and a copy; back: a send buffer, 3 per run, a receive buffer and a split, a slice per
-  own block, a slice and a view per received piece;
+- per round with an all-to-all: the send buffer (one cat per run of same-width pieces, members
+  ordered by shape), a receive buffer, per shape stack an allocation and an unbind, per batch of a
+  stack's own blocks a view, an unbind and one multi-tensor copy (2 for one block), per strided run
+  (a run spans a stack's members) two views and a copy; back: a send buffer, 3 per run (3 per member
+  when the results are not one batched tensor), a receive buffer and a split, a view and an unbind
+  per batch of own blocks, a slice, a view and a split per source's run of same-width pieces;
 - per Newton-Schulz call: cast, norm, clamp, divide, then per iteration the Gram product's
   transpose and product and two ``addmm`` (a batched call adds a stack and an unbind);
 - per round: the update's sum of squares that ``Muon.metrics`` reads, ``METRICS_ROUND``;
-- per step: the checks (flags, one sum per scope, the decisions), ``CHECK_OPS``.
+- per step: the checks (a small sum per scope), ``CHECK_OPS``.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ __all__ = ["CHECK_OPS", "CHECK_SCOPE_OPS", "StepShape", "step_ops"]
 NS_FIXED, NS_PER_ITERATION = 4, 4
 MOMENTUM_BUCKET, UPDATE_BUCKET, ADAMW_BUCKET, ADAMW_STEP = 6, 4, 14, 2
 METRICS_ROUND = 11  # the update's sum of squares for Muon.metrics, per round (profiled)
-CHECK_OPS, CHECK_SCOPE_OPS = (
-    61,
-    8,
-)  # step_checks.run: one scope (profiled: the flags, the sum, the decisions), each more
+# step_checks.run, profiled: per scope the head's tensor (4), its sum (2) and its read (2); the
+# flags' tensors only when some rank's gradients differ or are bad (an error follows)
+CHECK_OPS, CHECK_SCOPE_OPS = 8, 8
 
 
 @dataclass(frozen=True)
