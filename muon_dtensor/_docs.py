@@ -22,6 +22,12 @@ MUON_ARGS = r"""
             (0.2 sqrt(max(rows, cols))), "spectral" (sqrt(rows/cols)), or a number r, the update
             RMS to match (r sqrt(max(rows, cols))); from the global shape (default: None).
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
+        momentum_dtype: dtype of the momentum buffer: None (the parameter's, as torch.optim.Muon;
+            default), torch.bfloat16, torch.float16, torch.float32 or torch.float64. A buffer in
+            another dtype than its gradient is updated in the wider of the two and stored rounded
+            once; this step's Newton-Schulz input is formed from the unrounded value. A load keeps
+            this setting and converts a buffer saved in another dtype, with a warning. Muon groups
+            only (AdamW and NorMuon's second moment keep the parameter's dtype). Also a per-group key.
         ns_algorithm: "standard" (torch's iteration; default) or "gram" (the same polynomial on the
             small Gram matrix, with restarts; it runs where it needs fewer flops, with 5 steps on
             matrices whose long side is over 1.5x the short one, the others run "standard").

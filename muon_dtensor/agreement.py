@@ -31,8 +31,8 @@ __all__ = [
 # in order. AdamW groups of plain tensors are stepped locally, so they may differ.
 AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
-    "ns_steps", "adjust_lr_fn", "ns_dtype", "ns_algorithm", "mode", "max_round_bytes", "flatten", "experts",
-    "split_sizes", "head_dim", "owners", "normuon", "beta2", "ns_split",
+    "ns_steps", "adjust_lr_fn", "ns_dtype", "momentum_dtype", "ns_algorithm", "mode", "max_round_bytes",
+    "flatten", "experts", "split_sizes", "head_dim", "owners", "normuon", "beta2", "ns_split",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 

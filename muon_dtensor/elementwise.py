@@ -95,6 +95,9 @@ def muon_momentum(
     """
     if not bufs:
         return
+    if any(b.dtype != g.dtype for b, g in zip(bufs, grads)):
+        _momentum_apart(list(bufs), list(grads), list(out), momentum, nesterov)
+        return
     scaled = torch._foreach_mul(list(grads), 1.0 - momentum)
     _mul_(list(bufs), momentum)
     torch._foreach_add_(list(bufs), scaled)
@@ -103,6 +106,36 @@ def muon_momentum(
         source = list(torch._foreach_mul(source, momentum))
         torch._foreach_add_(source, scaled)
     _copy_(list(out), source)
+
+
+def _widened(tensors: list[Tensor], dtypes: list[torch.dtype]) -> list[Tensor]:
+    """Each tensor in its dtype of ``dtypes``: itself where it has it, else a fresh exact copy."""
+    out = [t if t.dtype == d else torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
+    fresh = [i for i, (o, t) in enumerate(zip(out, tensors)) if o is not t]
+    if fresh:
+        _copy_([out[i] for i in fresh], [tensors[i] for i in fresh])
+    return out
+
+
+def _momentum_apart(
+    bufs: list[Tensor], grads: list[Tensor], out: list[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """``muon_momentum`` for a buffer kept in another dtype than its gradient (``momentum_dtype``):
+    the same single ops in the wider of the two dtypes, on an exact copy of the buffer; the buffer
+    stores the result rounded once to its dtype, and the Newton-Schulz input is formed from the
+    unrounded result, so this step's update is the wide-momentum step's (docs/design.md)."""
+    wide = [torch.promote_types(b.dtype, g.dtype) for b, g in zip(bufs, grads)]
+    work = [torch.empty_like(b, dtype=d) for b, d in zip(bufs, wide)]
+    _copy_(work, bufs)
+    scaled = torch._foreach_mul(_widened(grads, wide), 1.0 - momentum)
+    _mul_(work, momentum)
+    torch._foreach_add_(work, scaled)
+    _copy_(bufs, work)
+    source = work
+    if nesterov:
+        source = list(torch._foreach_mul(work, momentum))
+        torch._foreach_add_(source, scaled)
+    _copy_(out, source)
 
 
 def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[float]) -> None:

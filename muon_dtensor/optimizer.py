@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,18 @@ from .normuon import DEFAULT_BETA2
 from .policy import split_policy
 from .preflight import param_names
 from .sharding import GroupSharding
-from .state import SECOND_MOMENT, adamw_group_step, follow_replaced, init_state, settle_loaded
+from .state import (
+    MOMENTUM,
+    SECOND_MOMENT,
+    Conversion,
+    adamw_group_step,
+    follow_replaced,
+    init_params,
+    init_state,
+    put_momentum,
+    settle_loaded,
+    take_momentum,
+)
 from .step_checks import StepChecks
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
@@ -64,6 +76,7 @@ class Muon(Optimizer):
         adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
+        momentum_dtype: torch.dtype | str | None = None,
         ns_algorithm: str = "standard",
         mode: str = "owner",
         process_group: ProcessGroup | None = None,
@@ -83,6 +96,7 @@ class Muon(Optimizer):
             owners=owners,
             ns_split=ns_split,
             ns_dtype=validation.ns_dtype_name(ns_dtype),
+            momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
         )
         validation.check_muon_group(defaults)
         validation.check_process_group(process_group)
@@ -95,6 +109,7 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        validation.check_adamw_momentum_dtype(param_group, len(self.param_groups))
         if validation.check_algorithm(param_group) == "adamw":
             param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
         super().add_param_group(param_group)
@@ -103,6 +118,7 @@ class Muon(Optimizer):
             validation.check_flags(group, index)
             if validation.check_group(group) is not None:
                 group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
+                group["momentum_dtype"] = validation.momentum_dtype_name(group["momentum_dtype"])
             validation.check_params(group, param_names(group, index))
         except Exception:
             self.param_groups.pop()
@@ -117,9 +133,17 @@ class Muon(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
-        ``__init__``); layouts and plans stay, since the parameters are the same objects."""
-        super().load_state_dict(state_dict)
-        settle_loaded(self.state, self.param_groups)
+        ``__init__``); layouts and plans stay, since the parameters are the same objects. Momentum
+        buffers skip torch's cast to the parameter's dtype and take this optimizer's
+        ``momentum_dtype``, which a load keeps: a buffer saved in another dtype is converted, with a
+        warning naming it (docs/api.md)."""
+        configured = [g.get("momentum_dtype") for g in self.param_groups]
+        without, buffers = take_momentum(state_dict)
+        super().load_state_dict(without)
+        for group, dtype in zip(self.param_groups, configured):
+            group["momentum_dtype"] = dtype
+        put_momentum(self.state, state_dict["param_groups"], self.param_groups, buffers)
+        _warn_converted(self.param_groups, settle_loaded(self.state, self.param_groups), "loaded")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -135,10 +159,11 @@ class Muon(Optimizer):
                 self._sharding(i, g) if c else None
                 for i, (g, c) in enumerate(zip(self.param_groups, configs))
             ]
-            for group, sharding, config, todo in zip(self.param_groups, shardings, configs, work):
+            for index, (group, sharding, config, todo) in enumerate(
+                zip(self.param_groups, shardings, configs, work)
+            ):
                 params = [group["params"][i] for i in todo]
-                for p in params:
-                    init_state(self.state, group, p)
+                _warn_converted(self.param_groups, init_params(self.state, group, index, todo), "found")
                 if sharding is None:
                     adamw_group_step(self.state, group, params)
                 elif config is not None and todo:
@@ -167,7 +192,7 @@ class Muon(Optimizer):
         muon_step(
             [local_of(p) for p in params],
             [local_grad(p) for p in params],
-            [local_of(self.state[p]["momentum_buffer"]) for p in params],
+            [local_of(self.state[p][MOMENTUM]) for p in params],
             sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group)),
             MuonHyper.of(group),
             config,
@@ -186,6 +211,25 @@ class Muon(Optimizer):
 
     def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
         return report.describe(self)
+
+
+def _warn_converted(groups: list[dict[str, Any]], conversions: list[Conversion], when: str) -> None:
+    """Say which momentum buffers were converted to their group's ``momentum_dtype``, and how to
+    keep them as they were."""
+    if not conversions:
+        return
+    shown = [
+        f"'{param_names(groups[g], g)[i]}' {str(old).removeprefix('torch.')} -> {str(new).removeprefix('torch.')}"
+        for g, i, old, new in conversions
+    ]
+    more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
+    _, _, saved, _ = conversions[0]
+    warnings.warn(
+        f"momentum buffers {when} in another dtype than their group's momentum_dtype were converted "
+        f"to it (a narrower dtype rounds each value once; a wider one is exact): {', '.join(shown[:8])}{more}. "
+        f"To keep them as they were, set momentum_dtype={saved} for their group",
+        stacklevel=3,
+    )
 
 
 assert Muon.__doc__ is not None

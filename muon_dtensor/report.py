@@ -23,7 +23,7 @@ from .policy import split_policy
 from .preflight import param_names
 from .qk_clip import QKClipFactors
 from .sharding import GroupSharding
-from .state import SECOND_MOMENT
+from .state import SECOND_MOMENT, momentum_dtype
 
 __all__ = ["KINDS", "describe", "log_once", "memory", "metrics", "state_bytes"]
 
@@ -81,6 +81,7 @@ def memory(opt: Muon) -> dict[str, int]:
 def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[Tensor]) -> int:
     """One Muon group's peak (``_sharding.memory.group_peak``) over its plans for every parameter."""
     dtype = group["ns_dtype"]
+    momentum = momentum_dtype(group, locals_[0])
     todo = list(range(len(locals_)))
     domains = sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group))
     return group_peak(
@@ -93,6 +94,7 @@ def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[
         cpu=locals_[0].device.type == "cpu",
         normuon=bool(group.get("normuon")),
         gram=group.get("ns_algorithm") == "gram",
+        momentum_item=0 if momentum == locals_[0].dtype else momentum.itemsize,
     )
 
 

@@ -1,9 +1,11 @@
 """The optimizer state's plumbing, outside the ``Muon`` shell: eager state, state that follows a
-parameter swapped for its DTensor, and counters brought back to the host after a load."""
+parameter swapped for its DTensor, momentum buffers kept in the group's ``momentum_dtype``, and
+counters brought back to the host after a load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -12,24 +14,69 @@ from torch import Tensor
 from ._sharding.param_layout import local_grad, local_of, relayout, row_state_zeros
 from .functional import adamw_step
 
-__all__ = ["SECOND_MOMENT", "adamw_group_step", "follow_replaced", "init_state", "settle_loaded"]
+__all__ = [
+    "MOMENTUM",
+    "SECOND_MOMENT",
+    "Conversion",
+    "adamw_group_step",
+    "follow_replaced",
+    "init_params",
+    "init_state",
+    "momentum_dtype",
+    "put_momentum",
+    "settle_loaded",
+    "take_momentum",
+]
 
+MOMENTUM = "momentum_buffer"  # torch.optim.Muon's state key
 SECOND_MOMENT = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
 State = MutableMapping[Tensor, dict[str, Any]]
+Conversion = tuple[int, int, torch.dtype, torch.dtype]  # group, position in it, saved and new dtype
 
 
-def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> None:
+def momentum_dtype(group: Mapping[str, Any], p: Tensor) -> torch.dtype:
+    """The dtype of ``p``'s momentum buffer: the group's ``momentum_dtype`` (a name, or a dtype set
+    on the group after construction), else ``p``'s."""
+    value = group.get("momentum_dtype")
+    if value is None or group["algorithm"] != "muon":
+        return p.dtype
+    return value if isinstance(value, torch.dtype) else getattr(torch, value)
+
+
+def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> torch.dtype | None:
     """Create ``p``'s missing state eagerly, so every rank has the same keys even before the first
-    step and a checkpoint at step 0 (or of a parameter that never got a gradient) is complete."""
+    step and a checkpoint at step 0 (or of a parameter that never got a gradient) is complete. A
+    momentum buffer in another dtype than the group's ``momentum_dtype`` (the key was changed, or
+    a load brought another) is converted; returns its previous dtype then, else None."""
     muon = group["algorithm"] == "muon"
     mine = state[p]
     if not muon and "step" not in mine:
         mine["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for key in ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq"):
+    for key in (MOMENTUM,) if muon else ("exp_avg", "exp_avg_sq"):
         if key not in mine:
-            mine[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            dtype = momentum_dtype(group, p) if muon else p.dtype
+            mine[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     if muon and group.get("normuon", False) and SECOND_MOMENT not in mine:
         mine[SECOND_MOMENT] = row_state_zeros(p)  # one value per row, laid out with p
+    old = mine[MOMENTUM].dtype if muon else None
+    if old is not None and old != momentum_dtype(group, p):
+        mine[MOMENTUM] = mine[MOMENTUM].to(momentum_dtype(group, p))  # one rounding, or exact widening
+        return old
+    return None
+
+
+def init_params(
+    state: State, group: Mapping[str, Any], index: int, positions: Sequence[int]
+) -> list[Conversion]:
+    """``init_state`` for the parameters at ``positions`` of group ``index``; the momentum buffers
+    it converted."""
+    converted = []
+    for i in positions:
+        p = group["params"][i]
+        old = init_state(state, group, p)
+        if old is not None:
+            converted.append((index, i, old, state[p][MOMENTUM].dtype))
+    return converted
 
 
 def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dict[int, list[Tensor]]) -> None:
@@ -43,14 +90,45 @@ def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dic
         seen[index] = list(group["params"])
 
 
-def settle_loaded(state: State, groups: Iterable[Mapping[str, Any]]) -> None:
-    """After torch's ``load_state_dict``: state the checkpoint lacked created again, and AdamW's
-    counters (saved on a device, perhaps) back on the host as float32."""
-    for group in groups:
+def take_momentum(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, Tensor]]:
+    """A state dict for torch's ``load_state_dict`` without momentum buffers, and the buffers by
+    saved parameter id: torch casts every floating state tensor to its parameter's dtype, which
+    would round a buffer kept wider than its parameter."""
+    states = {k: dict(v) if isinstance(v, Mapping) else v for k, v in state_dict["state"].items()}
+    buffers = {k: v.pop(MOMENTUM) for k, v in states.items() if isinstance(v, dict) and MOMENTUM in v}
+    return {**state_dict, "state": states}, buffers
+
+
+def put_momentum(
+    state: State,
+    saved_groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    buffers: dict,
+) -> None:
+    """After torch's load: the buffers ``take_momentum`` kept, on their parameter's device, each
+    parameter matched to its saved id by position (as torch matches them); dtypes stay as saved."""
+    ids = dict(
+        zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups)))
+    )
+    for key, buf in buffers.items():
+        p = ids.get(key)
+        if p is None:
+            state[key][MOMENTUM] = buf  # state of no parameter: kept as is, as torch keeps it
+        else:
+            state[p][MOMENTUM] = buf.to(device=p.device)
+
+
+def settle_loaded(state: State, groups: Sequence[Mapping[str, Any]]) -> list[Conversion]:
+    """After torch's ``load_state_dict``: state the checkpoint lacked created again, momentum
+    buffers converted to their group's ``momentum_dtype`` (returned: which, from and to what), and
+    AdamW's counters (saved on a device, perhaps) back on the host as float32."""
+    converted = []
+    for index, group in enumerate(groups):
+        converted += init_params(state, group, index, range(len(group["params"])))
         for p in group["params"]:
-            init_state(state, group, p)
             if "step" in state[p]:
                 state[p]["step"] = state[p]["step"].detach().to("cpu", torch.float32)
+    return converted
 
 
 def adamw_group_step(state: State, group: Mapping[str, Any], params: Sequence[Tensor]) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "MODES",
     "OWNERS",
     "check_adamw_group",
+    "check_adamw_momentum_dtype",
     "check_algorithm",
     "check_flags",
     "check_group",
@@ -36,12 +37,14 @@ __all__ = [
     "check_params",
     "check_process_group",
     "check_round_bytes",
+    "momentum_dtype_name",
     "ns_dtype_name",
     "resolve_ns_config",
 ]
 
 OWNERS = ("auto", "mesh", "replica")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MOMENTUM_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _check_lr(lr: float | Tensor) -> None:
@@ -148,6 +151,21 @@ def ns_dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+def momentum_dtype_name(dtype: Any) -> str | None:
+    """``momentum_dtype`` as the name a param group stores: None (the parameter's dtype) or a
+    floating dtype's name from ``MOMENTUM_DTYPES``."""
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, (str, torch.dtype)) and name in MOMENTUM_DTYPES:
+        return name
+    raise ValueError(
+        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float16, "
+        f"torch.float32 or torch.float64 but is: {dtype!r}; pass one of them (torch.bfloat16 halves "
+        "the momentum of float32 parameters)"
+    )
+
+
 def _check_adjust_lr(fn: Any) -> None:
     """A name from ``ADJUST_LR`` (torch's message for others), or a positive finite update RMS."""
     if isinstance(fn, (int, float)) and not isinstance(fn, bool):
@@ -178,6 +196,7 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     check_mode(group.get("mode", "owner"))
     check_owners(group.get("owners", "auto"))
     check_split(group)
+    momentum_dtype_name(group.get("momentum_dtype"))
     dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
@@ -228,6 +247,17 @@ def check_adamw_group(group: Mapping[str, Any]) -> None:
     _check_finite("eps", group["eps"])
     if group.get("normuon", False):
         raise ValueError("'normuon': True is an option of Muon groups; this group is an AdamW group")
+
+
+def check_adamw_momentum_dtype(group: Mapping[str, Any], index: int) -> None:
+    """An AdamW group's own ``"momentum_dtype"`` (not one inherited from the optimizer's default)
+    would promise moments it does not keep: they stay in the parameter's dtype."""
+    if group.get("algorithm") == "adamw" and group.get("momentum_dtype") is not None:
+        raise ValueError(
+            f"param group {index} is an AdamW group and sets 'momentum_dtype': "
+            f"{group['momentum_dtype']!r}, an option of Muon groups (AdamW keeps exp_avg and "
+            "exp_avg_sq in the parameter's dtype); remove the key from this group"
+        )
 
 
 def _as_triple(value: Sequence[float]) -> Triple:

@@ -56,11 +56,11 @@ def _state_total(opt: Muon) -> int:
     )
 
 
-def _check(opt: Muon, measured: int, predicted: dict[str, int]) -> None:
+def _check(opt: Muon, measured: int, predicted: dict[str, int], momentum_item: int = 4) -> None:
     persistent = {k: v for k, v in predicted.items() if k != "peak_transient"}
     assert sum(persistent.values()) == _state_total(opt)
     muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
-    assert persistent["momentum"] == sum(local_of(p).numel() * 4 for p in muon)
+    assert persistent["momentum"] == sum(local_of(p).numel() * momentum_item for p in muon)
     peak = predicted["peak_transient"]
     assert abs(peak - measured) <= TOLERANCE * measured, (peak, measured)
 
@@ -68,6 +68,15 @@ def _check(opt: Muon, measured: int, predicted: dict[str, int]) -> None:
 @pytest.mark.parametrize("max_round_bytes", [None, 300_000])
 def test_one_process(max_round_bytes: int | None) -> None:
     _check(*_stepped(Stack(), max_round_bytes=max_round_bytes))
+
+
+@pytest.mark.parametrize("model", ["stack", "many_small"])
+def test_one_process_bf16_momentum(model: str) -> None:
+    """Half the momentum bytes of fp32 parameters. 200 small matrices make the momentum update the
+    step's peak: the wide working copy of a bucket, its scaled gradient and Nesterov source."""
+    torch.manual_seed(0)
+    net = Stack() if model == "stack" else nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(200)))
+    _check(*_stepped(net, momentum_dtype=torch.bfloat16), momentum_item=2)
 
 
 def _on_ranks(max_round_bytes: int | None) -> tuple[int, int, int]:

@@ -207,15 +207,22 @@ def group_peak(
     cpu: bool,
     normuon: bool = False,
     gram: bool = False,
+    momentum_item: int = 0,
 ) -> int:
     """Peak transient bytes of one Muon group's step on one rank. ``numels``: local elements per
     parameter; ``assembled``: whether its update is assembled from several matrices (functional's
     update buffers); ``domains``: per exchange group its plan, this rank's group rank and the
     parameter position of each plan entry. NorMuon's inputs are counted twice (the second moment
-    is concatenated in front of a copy); its owner-side row pass is not modelled."""
+    is concatenated in front of a copy); its owner-side row pass is not modelled. ``momentum_item``:
+    the itemsize of a momentum buffer kept in another dtype than the parameter's (0: the same)."""
     ns_in = sum(numels) * ns_item * (2 if normuon else 1)
-    # muon_momentum: the scaled gradient (and the Nesterov source) of one bucket at a time
-    temps = max(bucket_sizes(numels, cpu=cpu) or [0]) * param_item * (2 if nesterov else 1)
+    # muon_momentum: the scaled gradient (and the Nesterov source) of one bucket at a time; a buffer
+    # of another dtype adds its wide working copy (and the gradient's, if the gradient is narrower)
+    per = param_item * (2 if nesterov else 1)
+    if momentum_item:
+        wide = max(param_item, momentum_item)
+        per = wide * (2 + int(nesterov) + int(param_item < wide))
+    temps = max(bucket_sizes(numels, cpu=cpu) or [0]) * per
     updates = sum(n for n, a in zip(numels, assembled) if a) * param_item
     exchange = 0
     for plan, me, positions in domains:

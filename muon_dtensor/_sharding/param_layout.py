@@ -207,13 +207,14 @@ def row_state_zeros(p: Tensor) -> Tensor:
 
 def relayout(value: Tensor, old: Tensor, new: Tensor) -> Tensor:
     """A state tensor of parameter ``old`` (its shape, or one column of it: ``row_state_zeros``) laid
-    out like its replacement ``new``, in ``new``'s dtype (a plain full tensor becomes ``new``'s local
-    shard, cut locally). Scalars (step counters) stay."""
+    out like its replacement ``new``, in ``new``'s dtype if it had ``old``'s, else in its own (a
+    ``momentum_dtype`` buffer); a plain full tensor becomes ``new``'s local shard, cut locally.
+    Scalars (step counters) stay."""
     shape = tuple(value.shape)
     if value.ndim == 0 or shape not in (tuple(old.shape), (*old.shape[:-1], 1)):
         return value
     full = value.full_tensor() if isinstance(value, DTensor) else value
-    full = full.to(device=new.device, dtype=new.dtype)
+    full = full.to(device=new.device, dtype=new.dtype if value.dtype == old.dtype else value.dtype)
     if not isinstance(new, DTensor):
         return full
     return distribute_tensor(full, new.device_mesh, new.placements, src_data_rank=None)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ._dtypes import warn_converted_momentum
 from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
 from .safe_read import METADATA, bytes_entries, is_file_name, read_entries, read_metadata
@@ -291,6 +292,7 @@ def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{folder}: shape mismatch: {_short(wrong)}. Nothing was loaded.")
     entries = read_entries(folder, everything, bytes_entries(everything, parts))  # each one, before any load
     _check_groups(folder, flat_state, _groups(entries))
+    warn_converted_momentum(folder, everything, flat_state)
 
 
 def _optimizer_only(keys: Iterable[str]) -> tuple[str, str]:

@@ -1,0 +1,200 @@
+"""``momentum_dtype`` on one process: the checks, the state's dtype, the arithmetic (a buffer of
+another dtype updated in the wider one, stored rounded once, Newton-Schulz fed the unrounded value),
+``load_state_dict`` keeping and converting dtypes, and a change between steps."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from muon_dtensor import Muon
+from muon_dtensor.newton_schulz import NSConfig, orthogonalize
+
+SHAPES = [(37, 24), (24, 37), (16, 16)]
+M = 0.95
+
+
+def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _grads(step: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _step(opt: Muon, params: Sequence[nn.Parameter], step: int) -> None:
+    for p, g in zip(params, _grads(step, params[0].dtype)):
+        p.grad = g
+    opt.step()
+
+
+def _bufs(opt: Muon, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    return [opt.state[p]["momentum_buffer"] for p in params]
+
+
+@pytest.mark.parametrize("value", [torch.int8, torch.complex64, "bf16", 3, True])
+def test_bad_values_are_refused_naming_value_and_fix(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"momentum_dtype should be None .* but is: .*; pass one of them"):
+        Muon(_params(), momentum_dtype=value)
+    with pytest.raises(ValueError, match=r"momentum_dtype should be None"):
+        Muon([{"params": _params(), "momentum_dtype": value}])
+
+
+def test_an_adamw_group_of_its_own_is_refused_an_inherited_default_is_not() -> None:
+    params = _params()
+    with pytest.raises(ValueError, match=r"param group 1 is an AdamW group and sets 'momentum_dtype'"):
+        Muon(
+            [
+                {"params": params[:2]},
+                {"params": params[2:], "algorithm": "adamw", "momentum_dtype": "bfloat16"},
+            ]
+        )
+    bias = nn.Parameter(torch.zeros(5))
+    opt = Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], momentum_dtype=torch.bfloat16)
+    assert opt.state[bias]["exp_avg"].dtype == torch.float32  # AdamW keeps the parameter's dtype
+    assert all(b.dtype == torch.bfloat16 for b in _bufs(opt, params))
+
+
+@pytest.mark.parametrize(
+    ("value", "name", "dtype"),
+    [
+        (None, None, torch.float32),
+        (torch.bfloat16, "bfloat16", torch.bfloat16),
+        ("float16", "float16", torch.float16),
+        (torch.float64, "float64", torch.float64),
+    ],
+)
+def test_state_is_created_in_the_dtype_and_the_group_stores_its_name(
+    value: Any, name: str | None, dtype: torch.dtype
+) -> None:
+    params = _params()
+    opt = Muon(params, momentum_dtype=value)
+    assert opt.param_groups[0]["momentum_dtype"] == name
+    assert [b.dtype for b in _bufs(opt, params)] == [dtype] * len(params)
+    per_group = Muon([{"params": params, "momentum_dtype": value}])
+    assert per_group.param_groups[0]["momentum_dtype"] == name
+    assert opt.memory()["momentum"] == sum(p.numel() for p in params) * dtype.itemsize
+
+
+def _recording(inputs: list[torch.Tensor]) -> Any:
+    def run(matrices: Sequence[torch.Tensor], config: NSConfig) -> list[torch.Tensor]:
+        inputs.extend(m.clone() for m in matrices)
+        return orthogonalize(matrices, config)
+
+    return run
+
+
+def test_first_step_is_the_fp32_step_then_the_state_carries_one_rounding() -> None:
+    """Step 1: parameters bitwise those of fp32 momentum, buffer the fp32 buffer rounded once.
+    Step 2: the buffer and the Newton-Schulz input follow the documented ops exactly."""
+    wide, narrow = _params(), _params()
+    seen: list[torch.Tensor] = []
+    ref = Muon(wide, lr=0.02, momentum=M)
+    opt = Muon(narrow, lr=0.02, momentum=M, momentum_dtype=torch.bfloat16, orthogonalize_fn=_recording(seen))
+    _step(ref, wide, 0)
+    _step(opt, narrow, 0)
+    assert all(torch.equal(p, q) for p, q in zip(wide, narrow))
+    assert all(torch.equal(b.bfloat16(), c) for b, c in zip(_bufs(ref, wide), _bufs(opt, narrow)))
+    before = [b.float() for b in _bufs(opt, narrow)]  # exact widening of the stored bf16 values
+    seen.clear()
+    _step(opt, narrow, 1)
+    for b, g, stored, x in zip(before, _grads(1), _bufs(opt, narrow), _by_shape(seen)):
+        scaled = g * (1.0 - M)
+        unrounded = b * M + scaled  # two fp32 roundings: no fused multiply-add
+        assert torch.equal(stored, unrounded.bfloat16())
+        assert torch.equal(x, (unrounded * M + scaled).bfloat16())  # from the unrounded value
+        assert not torch.equal(x, (stored.float() * M + scaled).bfloat16())  # the other choice differs
+
+
+def _by_shape(seen: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The recorded Newton-Schulz inputs in parameter order (owners batch same shapes)."""
+    return [next(x for x in seen if tuple(x.shape) == s) for s in SHAPES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_parameters_own_dtype_is_the_default_step_bitwise(dtype: torch.dtype) -> None:
+    default, named = _params(dtype), _params(dtype)
+    a, b = Muon(default, lr=0.02), Muon(named, lr=0.02, momentum_dtype=dtype)
+    for step in range(3):
+        _step(a, default, step)
+        _step(b, named, step)
+    assert all(torch.equal(p, q) for p, q in zip(default, named))
+    assert all(torch.equal(x, y) for x, y in zip(_bufs(a, default), _bufs(b, named)))
+
+
+def test_a_buffer_wider_than_its_parameter_survives_state_dict_bitwise() -> None:
+    """torch's load casts state to the parameter's dtype; fp32 momentum of bf16 parameters must not
+    round to bf16 on a resume, and the resumed run is the uninterrupted one, bitwise."""
+    run, fresh, through = _params(torch.bfloat16), _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = Muon(run, lr=0.02, momentum_dtype=torch.float32)
+    first = Muon(through, lr=0.02, momentum_dtype=torch.float32)
+    for step in range(2):
+        _step(opt, run, step)
+        _step(first, through, step)
+    saved = first.state_dict()
+    for p, q in zip(through, fresh):
+        q.data.copy_(p.data)
+    resumed = Muon(fresh, lr=0.02, momentum_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same dtype: no conversion, no warning
+        resumed.load_state_dict(saved)
+    assert all(torch.equal(x, y) for x, y in zip(_bufs(resumed, fresh), _bufs(opt, run)))
+    assert all(b.dtype == torch.float32 for b in _bufs(resumed, fresh))
+    _step(opt, run, 2)
+    _step(resumed, fresh, 2)
+    assert all(torch.equal(p, q) for p, q in zip(run, fresh))
+
+
+@pytest.mark.parametrize(("saved", "configured"), [(None, torch.bfloat16), (torch.bfloat16, None)])
+def test_load_keeps_the_configured_dtype_and_converts_with_a_warning(
+    saved: torch.dtype | None, configured: torch.dtype | None
+) -> None:
+    names = [f"w{i}" for i in range(len(SHAPES))]
+    source = Muon(list(zip(names, _params())), lr=0.02, momentum_dtype=saved)
+    _step(source, source.param_groups[0]["params"], 0)
+    state = source.state_dict()
+    target = Muon(list(zip(names, _params(seed=1))), lr=0.02, momentum_dtype=configured)
+    saved_name = str(saved or torch.float32).removeprefix("torch.")
+    new_name = str(configured or torch.float32).removeprefix("torch.")
+    pattern = rf"'w0' {saved_name} -> {new_name}.*set momentum_dtype=torch\.{saved_name}"
+    with pytest.warns(UserWarning, match=pattern):
+        target.load_state_dict(state)
+    assert target.param_groups[0]["momentum_dtype"] == (None if configured is None else new_name)
+    for b, c in zip(
+        _bufs(source, source.param_groups[0]["params"]), _bufs(target, target.param_groups[0]["params"])
+    ):
+        assert torch.equal(c, b.to(configured or torch.float32))  # one rounding, or exact widening
+
+
+def test_a_change_between_steps_converts_at_the_next_step() -> None:
+    params = _params()
+    opt = Muon(params, lr=0.02)
+    _step(opt, params, 0)
+    before = [b.clone() for b in _bufs(opt, params)]
+    opt.param_groups[0]["momentum_dtype"] = torch.bfloat16
+    with pytest.warns(UserWarning, match=r"found in another dtype .* float32 -> bfloat16"):
+        _step(opt, params, 1)
+    # converted first (one rounding), then stepped as any bf16 buffer
+    expected = [(b.bfloat16().float() * M + g * (1.0 - M)).bfloat16() for b, g in zip(before, _grads(1))]
+    assert all(torch.equal(b, e) for b, e in zip(_bufs(opt, params), expected))
+    assert opt.memory()["momentum"] == sum(p.numel() for p in params) * 2
+
+
+def test_a_replaced_parameter_keeps_the_buffers_dtype() -> None:
+    """A parameter swapped for another object (as accelerate does) hands its state over; the
+    buffer keeps momentum_dtype, not the new parameter's dtype."""
+    params = _params()
+    opt = Muon(params, lr=0.02, momentum_dtype=torch.bfloat16)
+    _step(opt, params, 0)
+    kept = _bufs(opt, params)[0].clone()
+    swapped = nn.Parameter(params[0].detach().clone())
+    opt.param_groups[0]["params"][0] = swapped
+    state = opt.state_dict()["state"][0]["momentum_buffer"]
+    assert state.dtype == torch.bfloat16 and torch.equal(state, kept)
