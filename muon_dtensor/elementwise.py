@@ -110,10 +110,13 @@ def muon_momentum(
 
 def _widened(tensors: list[Tensor], dtypes: list[torch.dtype]) -> list[Tensor]:
     """Each tensor in its dtype of ``dtypes``: itself where it has it, else a fresh exact copy."""
-    out = [t if t.dtype == d else torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
-    fresh = [i for i, (o, t) in enumerate(zip(out, tensors)) if o is not t]
+    out = list(tensors)
+    fresh = [i for i, (t, d) in enumerate(zip(tensors, dtypes)) if t.dtype != d]
     if fresh:
-        _copy_([out[i] for i in fresh], [tensors[i] for i in fresh])
+        copies = empty_like_all([tensors[i] for i in fresh], [dtypes[i] for i in fresh])
+        _copy_(copies, [tensors[i] for i in fresh])
+        for i, copy in zip(fresh, copies):
+            out[i] = copy
     return out
 
 
@@ -125,7 +128,7 @@ def _momentum_apart(
     stores the result rounded once to its dtype, and the Newton-Schulz input is formed from the
     unrounded result, so this step's update is the wide-momentum step's (docs/design.md)."""
     wide = [torch.promote_types(b.dtype, g.dtype) for b, g in zip(bufs, grads)]
-    work = [torch.empty_like(b, dtype=d) for b, d in zip(bufs, wide)]
+    work = empty_like_all(bufs, wide)
     _copy_(work, bufs)
     scaled = torch._foreach_mul(_widened(grads, wide), 1.0 - momentum)
     _mul_(work, momentum)
