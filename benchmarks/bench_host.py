@@ -98,7 +98,8 @@ class Model(nn.Module):
 
 
 def sharded_model(layers: int, kind: str = "llama") -> nn.Module:
-    """Inside a rank: a seeded model, ``fully_shard`` per layer and on the root, seeded gradients."""
+    """Inside a rank: a seeded model, ``fully_shard`` per layer and on the root, seeded gradients
+    laid out as FSDP2 lays them out (``fsdp_grad``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -111,8 +112,17 @@ def sharded_model(layers: int, kind: str = "llama") -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for p in model.parameters():
-        p.grad = torch.randn_like(p)
+        p.grad = fsdp_grad(p)
     return model
+
+
+def fsdp_grad(p: Any) -> Any:
+    """A seeded gradient built as FSDP2's reduce-scatter builds one: on the parameter's own
+    DTensor spec (``randn_like`` would make a new spec, which the step's checks then compare in
+    full, parameter by parameter, as they must for a gradient of unknown layout)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(torch.randn(p._local_tensor.shape), p._spec, requires_grad=False)
 
 
 def optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:

@@ -169,6 +169,7 @@ def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tu
     shape = StepShape(
         muon_params=len(plan.entries),
         muon_buckets=buckets,
+        bucket_elements=impl.bucket_elements,
         batched=impl.batched_ns,
         ns_steps=ns_steps,
         momentum_ops=impl.pre_bucket_ops,

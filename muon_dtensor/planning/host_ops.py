@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._sharding.blocks import block_shape
+from .._sharding.blocks import block_numel, block_shape
 from .._sharding.plan import Plan
 from .._sharding.routes import Inbound, Outbound, OwnBatch, build_routes
 from .._sharding.runs import segments
@@ -49,6 +49,7 @@ class StepShape:
 
     muon_params: int
     muon_buckets: int = 1
+    bucket_elements: int | None = None  # a round's update buckets: its local elements over this (None: 1)
     adamw_params: int = 0
     adamw_buckets: int = 1
     batched: bool = True
@@ -117,6 +118,14 @@ def _stacked(route: Inbound, batched: bool) -> set[int]:
     return {m for _, ms in route.stacks if batched and len(ms) > 1 for m in ms}
 
 
+def _round_buckets(plan: Plan, rank: int, members: tuple[int, ...], shape: StepShape) -> int:
+    """The update's buckets in one round: over this rank's pieces of the round's results only."""
+    if shape.bucket_elements is None:
+        return 1
+    elements = sum(block_numel(plan.entries[m].blocks[rank]) for m in members)
+    return max(1, -(-elements // shape.bucket_elements))
+
+
 def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dict[str, int]:
     """Top-level ops of one step on group rank ``rank`` of ``plan``, by phase."""
     routes = build_routes(plan, rank)
@@ -128,7 +137,8 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     mid = sum(_inbound(plan, rank, r.inbound, shape.batched, shape.ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
     results = [_allocs([block_shape(plan.entries[m].blocks[rank]) for m in r.members]) for r in routes]
-    post = sum(results) + len(routes) * (shape.muon_buckets * update + METRICS_ROUND)
+    post = sum(results) + sum(_round_buckets(plan, rank, r.members, shape) * update for r in routes)
+    post += len(routes) * METRICS_ROUND
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}
