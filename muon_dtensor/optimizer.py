@@ -117,8 +117,16 @@ class Muon(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
-        ``__init__``); layouts and plans stay, since the parameters are the same objects."""
+        ``__init__``); layouts and plans stay, since the parameters are the same objects. Each group
+        keeps its own ``param_names``: torch would take the saved ones, which name other parameters
+        when the saving run grouped them otherwise (pipeline stages merged or split, wrappers)."""
+        names = [group.get("param_names") for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, names):
+            if own is None:
+                group.pop("param_names", None)
+            else:
+                group["param_names"] = own
         settle_loaded(self.state, self.param_groups)
 
     @torch.no_grad()
