@@ -31,9 +31,8 @@ from .state import (
     follow_replaced,
     init_params,
     init_state,
-    put_momentum,
-    settle_loaded,
-    take_momentum,
+    load_keeping,
+    row_states,
 )
 from .step_checks import StepChecks
 
@@ -115,11 +114,7 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
         try:  # local checks only: collectives wait for the first step, once every rank agrees
-            validation.check_flags(group, index)
-            if validation.check_group(group) is not None:
-                group["ns_dtype"] = validation.ns_dtype_name(group["ns_dtype"])
-                group["momentum_dtype"] = validation.momentum_dtype_name(group["momentum_dtype"])
-            validation.check_params(group, param_names(group, index))
+            validation.admit_group(group, index, param_names(group, index))
         except Exception:
             self.param_groups.pop()
             raise
@@ -132,18 +127,11 @@ class Muon(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then any state the checkpoint lacks is created again (eagerly, as in
-        ``__init__``); layouts and plans stay, since the parameters are the same objects. Momentum
-        buffers skip torch's cast to the parameter's dtype and take this optimizer's
-        ``momentum_dtype``, which a load keeps: a buffer saved in another dtype is converted, with a
-        warning naming it (docs/api.md)."""
-        configured = [g.get("momentum_dtype") for g in self.param_groups]
-        without, buffers = take_momentum(state_dict)
-        super().load_state_dict(without)
-        for group, dtype in zip(self.param_groups, configured):
-            group["momentum_dtype"] = dtype
-        put_momentum(self.state, state_dict["param_groups"], self.param_groups, buffers)
-        _warn_converted(self.param_groups, settle_loaded(self.state, self.param_groups), "loaded")
+        """torch's load, keeping each group's ``param_names`` and ``momentum_dtype`` (a run grouped
+        otherwise, e.g. pipeline stages merged, saved other names); a buffer saved in another dtype is
+        converted with a warning, missing state created (``state.load_keeping``, docs/api.md)."""
+        conversions = load_keeping(self, super().load_state_dict, state_dict)
+        _warn_converted(self.param_groups, conversions, "loaded")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -162,10 +150,9 @@ class Muon(Optimizer):
             for index, (group, sharding, config, todo) in enumerate(
                 zip(self.param_groups, shardings, configs, work)
             ):
-                params = [group["params"][i] for i in todo]
                 _warn_converted(self.param_groups, init_params(self.state, group, index, todo), "found")
                 if sharding is None:
-                    adamw_group_step(self.state, group, params)
+                    adamw_group_step(self.state, group, [group["params"][i] for i in todo])
                 elif config is not None and todo:
                     self._muon_step(group, sharding, todo, config)
         report.log_once(self)
@@ -177,11 +164,10 @@ class Muon(Optimizer):
         owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
         key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
         if index not in self._shardings or self._shardings[index][0] != key:
-            names = param_names(group, index)
-            for p in group["params"]:  # NorMuon switched on after construction: its state first
-                init_state(self.state, group, p)
-            seconds = [self.state[p].get(SECOND_MOMENT) for p in group["params"]]
-            sharding = GroupSharding(group["params"], names, key[1], self._process_group, owners, seconds)
+            seconds = row_states(self.state, group)  # NorMuon switched on later: its state first
+            sharding = GroupSharding(
+                group["params"], param_names(group, index), key[1], self._process_group, owners, seconds
+            )
             self._shardings[index] = key, sharding
         return self._shardings[index][1]
 

@@ -81,10 +81,9 @@ def owner_meshes(
     if owners == "mesh":
         return frozenset(meshes)
     chosen = []
-    # "auto" stays within meshes of every rank: their exchange group is the default group. A mesh of
-    # fewer ranks (a pipeline stage's) would need a new group, collective over every rank, and the
-    # other stages do not build it: forcing "mesh" there asks every rank to build the same optimizer.
-    for mesh in (m for m in meshes if m.size() == dist.get_world_size()):
+    # A mesh of fewer ranks than the world (a pipeline stage's) votes among its own ranks, and its
+    # exchange group is created by them alone (``groups.exchange_group``), so other stages never wait.
+    for mesh in meshes:
         vote = torch.tensor([1, int(_mesh_pays(params, mesh, view_options))])
         ranks, yes = (int(v) for v in sum_over_mesh(vote, mesh))
         if yes == ranks:

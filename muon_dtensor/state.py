@@ -4,7 +4,7 @@ counters brought back to the host after a load."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -22,8 +22,12 @@ __all__ = [
     "follow_replaced",
     "init_params",
     "init_state",
+    "load_keeping",
+    "row_states",
+    "own_keys",
     "momentum_dtype",
     "put_momentum",
+    "restore_keys",
     "settle_loaded",
     "take_momentum",
 ]
@@ -88,6 +92,46 @@ def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dic
             if old is not new and old in state and new not in state:
                 state[new] = {k: relayout(v, old, new) for k, v in state.pop(old).items()}
         seen[index] = list(group["params"])
+
+
+KEPT_KEYS = ("param_names", "momentum_dtype")  # a load keeps this optimizer's, not the saved ones
+
+
+def row_states(state: State, group: Mapping[str, Any]) -> list[Tensor | None]:
+    """Each parameter's NorMuon second moment (None without), its state created first (a group that
+    switched NorMuon on after construction has none yet)."""
+    for p in group["params"]:
+        init_state(state, group, p)
+    return [state[p].get(SECOND_MOMENT) for p in group["params"]]
+
+
+def load_keeping(
+    opt: Any, load: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]
+) -> list[Conversion]:
+    """``Muon.load_state_dict``: torch's ``load`` of ``state_dict`` into ``opt`` keeping each
+    group's ``KEPT_KEYS`` and the momentum buffers' dtypes out of torch's cast; then the state the
+    checkpoint lacks, created. Returns the buffers converted to their group's ``momentum_dtype``."""
+    kept = own_keys(opt.param_groups)
+    without, buffers = take_momentum(state_dict)
+    load(without)
+    restore_keys(opt.param_groups, kept)
+    put_momentum(opt.state, state_dict["param_groups"], opt.param_groups, buffers)
+    return settle_loaded(opt.state, opt.param_groups)
+
+
+def own_keys(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's ``KEPT_KEYS``, before torch's load replaces them."""
+    return [{k: g.get(k) for k in KEPT_KEYS} for g in groups]
+
+
+def restore_keys(groups: Sequence[MutableMapping[str, Any]], kept: Sequence[Mapping[str, Any]]) -> None:
+    """Put back what ``own_keys`` read (a group without names stays without)."""
+    for group, own in zip(groups, kept):
+        for key, value in own.items():
+            if key == "param_names" and value is None:
+                group.pop(key, None)
+            else:
+                group[key] = value
 
 
 def take_momentum(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, Tensor]]:

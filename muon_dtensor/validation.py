@@ -26,6 +26,7 @@ from .param_groups import not_heads
 __all__ = [
     "MODES",
     "OWNERS",
+    "admit_group",
     "check_adamw_group",
     "check_adamw_momentum_dtype",
     "check_algorithm",
@@ -392,3 +393,13 @@ def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None
             "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
             "put the parameter in a group without 'normuon'"
         )
+
+
+def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None:
+    """``Muon.add_param_group``'s local checks of group ``index`` (no collective): its flags, its
+    settings (dtype names stored as names) and its parameters."""
+    check_flags(group, index)
+    if check_group(group) is not None:
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
+        group["momentum_dtype"] = momentum_dtype_name(group["momentum_dtype"])
+    check_params(group, names)

@@ -3,6 +3,8 @@ so the groups are dropped with it (``destroy_process_group``) and a new one star
 
 Creating a group is collective over the default group: each function is called on every rank for
 the same arguments in the same order (while the optimizer builds its sharding, or on a first save).
+The exception: the exchange groups of a mesh of fewer ranks than the world (a pipeline stage's) are
+created by that mesh's ranks alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
     One axis is the mesh's own group. Several axes (FSDP x TP) need new groups; ``new_group`` is
     collective over the default group, so every rank creates every subgroup of the mesh, in the
     same order: call this on all ranks for the same (mesh, axes), e.g. while building the optimizer.
+    On a mesh of fewer ranks than the world, call it on that mesh's ranks (they alone create it).
     """
     if len(axes) == 1:
         return mesh.get_group(axes[0])
@@ -42,11 +45,18 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
         # the whole mesh is every rank (HSDP owners over the mesh): the default group serves
         return dist.distributed_c10d._get_default_group()
 
+    others = [a for a in range(mesh.ndim) if a not in axes]
+    rows = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes)).tolist()
+    if mesh.size() < dist.get_world_size():
+        # A mesh of some ranks (a pipeline stage's): the other ranks build other optimizers and never
+        # enter new_group for it. Only its members create this rank's group, named by its ranks, so
+        # the counter that names every rank's later groups stays the same on all ranks.
+        mine = sorted(next(r for r in rows if dist.get_rank() in r))
+        return _cached(("local", tuple(mine)), lambda: dist.new_group(mine, use_local_synchronization=True))
+
     def create() -> dist.ProcessGroup:
-        others = [a for a in range(mesh.ndim) if a not in axes]
-        moved = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes))
         mine = None
-        for ranks in moved.tolist():
+        for ranks in rows:
             group = dist.new_group(sorted(ranks))
             mine = group if dist.get_rank() in ranks else mine
         assert mine is not None, "this rank is in its own mesh"

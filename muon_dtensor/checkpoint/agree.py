@@ -1,18 +1,21 @@
 """Arguments of a collective load that must be the same on every rank, checked in one object
 gather before anything is read: one rank's ``optimizer_state='fresh'``, a missing optimizer, a
 missing file or name, would otherwise load half the state on some ranks and raise or hang on
-others."""
+others. ``same_groups`` does the same for a save: every rank must hold the same param groups."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 
 from . import collectives
 
-__all__ = ["agree"]
+__all__ = ["agree", "same_groups"]
 
 T = TypeVar("T")
 
@@ -70,3 +73,29 @@ def _listed(what: str, names: set[Any]) -> str:
         return ""
     shown = sorted(map(str, names))
     return f"{what} {', '.join(shown[:8])}" + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+
+
+def same_groups(model: nn.Module, optimizer: Optimizer | None, group: dist.ProcessGroup | None) -> None:
+    """One gather before a save: a checkpoint keys param groups by their index, so ranks whose
+    optimizers hold other parameters (pipeline stages, one optimizer per model part) would overwrite
+    each other's groups and write a checkpoint no run could load. Raises the same ValueError on
+    every rank, before any file is written."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = [
+        [names.get(id(p), "?") for p in g["params"]] for g in (optimizer.param_groups if optimizer else [])
+    ]
+    digest = hashlib.blake2b(repr(mine).encode(), digest_size=8).hexdigest()
+    summary = "; ".join(
+        f"group {i}: {len(g)} parameter(s), the first {g[0] if g else None}" for i, g in enumerate(mine)
+    )
+    parts = collectives.gather_objects((digest, summary), group)
+    other = next((r for r, (d, _) in enumerate(parts) if d != parts[0][0]), None)
+    if other is not None:
+        raise ValueError(
+            f"save_checkpoint: the ranks' optimizers hold different param groups (rank 0: {parts[0][1] or 'none'}; "
+            f"rank {other}: {parts[other][1] or 'none'}), as pipeline stages do (one optimizer per model part). "
+            "This checkpoint keys param groups by their index, so one rank's groups would overwrite another's "
+            "and no run could load it; nothing was saved. Save pipeline stages with torch.distributed.checkpoint "
+            "and per-parameter optimizer keys (StateDictOptions(flatten_optimizer_state_dict=True)), as "
+            "docs/torchtitan.md ('Pipeline parallelism') shows"
+        )

@@ -38,7 +38,7 @@ from .._sharding import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
-from .agree import agree
+from .agree import agree, same_groups
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -144,6 +144,7 @@ def save_checkpoint(
     failure raises the same error on every rank, and leaves no half-published step.
     """
     extra = _check_arguments(step, extra, keep_last)
+    same_groups(model, optimizer, process_group)
     tmp, final = claim(Path(root), step, process_group)
     solo = _solo()
 
@@ -196,6 +197,7 @@ def async_save_checkpoint(
     ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
     the same step, or another async save, before then raises on every rank."""
     extra = _check_arguments(step, extra, keep_last)
+    same_groups(model, optimizer, process_group)
     tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
     future = dcp.async_save(
