@@ -23,16 +23,17 @@ __all__ = [
     "BATCH_VALUES",
     "DEFAULT_COEFFICIENTS",
     "GRAM_DRIFT_LIMIT",
-    "NSConfig",
     "PRESETS",
     "PRESET_BANDS",
+    "NSConfig",
     "batching",
-    "newton_schulz",
     "gram_segments",
+    "newton_schulz",
     "ns_flops",
     "orthogonalize",
     "orthogonalize_flops",
     "scalar_map",
+    "stacked",
     "uses_gram",
 ]
 
@@ -217,7 +218,30 @@ def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
         return []
     if len(matrices) == 1 or not batching(matrices[0].device.type):
         return [newton_schulz(m, config) for m in matrices]
-    return list(newton_schulz(torch.stack(list(matrices)), config).unbind(0))
+    return list(newton_schulz(_batch(matrices), config).unbind(0))
+
+
+def stacked(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` lie back to back in one storage, each contiguous (as a stack's
+    ``unbind`` leaves them): one strided view can then cover them all."""
+    first = tensors[0]
+    size = first.numel() * first.element_size()
+    return all(
+        t.is_contiguous()
+        and t.shape == first.shape
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.data_ptr() == first.data_ptr() + i * size
+        for i, t in enumerate(tensors)
+    )
+
+
+def _batch(matrices: Sequence[Tensor]) -> Tensor:
+    """Same-shape matrices as one ``[B, m, n]`` tensor: a view where they are a stack's (an owner
+    assembles them so), else a stacked copy. Newton-Schulz never writes into its input."""
+    first = matrices[0]
+    if stacked(matrices):
+        return first.as_strided((len(matrices), *first.shape), (first.numel(), *first.stride()))
+    return torch.stack(list(matrices))
 
 
 # Read at each call, so a process can switch between steps; checked at import too, so a bad value

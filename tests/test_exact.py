@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
+from muon_dtensor.newton_schulz import BATCH_ENV
 from tests.models import full, step_together
 from tests.ranks import run_ranks
 
@@ -39,7 +41,38 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
         )
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_batched_path_equals_single_process(world_size: int) -> None:
+    """The CUDA path's batching (``MUON_DTENSOR_NS_BATCH=always``, here on CPU): an owner's stacks go
+    into Newton-Schulz as views, their results come back as one batched tensor, and runs, own
+    blocks and sends span a stack's members. Still the one-process step, bit for bit."""
+    results = run_ranks(exactness_batched, world_size, timeout=240)
+    for rank, per_layout in enumerate(results):
+        assert per_layout, "no layout was checked"
+        for key, r in per_layout.items():
+            assert r["params"] == [] and r["momentum"] == [], f"rank {rank} {key}: {r}"
+
+
 # Rank functions (run by tests.ranks in every rank of the pool).
+
+
+def exactness_batched(steps: int = 2) -> dict[str, Any]:
+    """``exactness`` for bf16 owner mode (one round and small rounds) with batched Newton-Schulz;
+    each rank runs one BLAS thread, so a matrix's bits do not depend on its batch."""
+    os.environ[BATCH_ENV] = "always"
+    try:
+        ref_params, ref_bufs, _ = run_steps(None, (), steps)
+        out: dict[str, Any] = {}
+        for name, (mesh_shape, placements) in layouts(dist.get_world_size()).items():
+            for mode, extra in (("owner", {}), ("rounds", {"max_round_bytes": 6000})):
+                params, bufs, _ = run_steps(mesh_shape, placements, steps, **extra)
+                out[f"{name}/{mode}"] = {
+                    "params": _mismatches(params, [p.detach() for p in ref_params]),
+                    "momentum": _mismatches(bufs, ref_bufs),
+                }
+        return out
+    finally:
+        del os.environ[BATCH_ENV]
 
 
 def layouts(world_size: int) -> dict[str, tuple[tuple[int, ...], tuple]]:

@@ -8,9 +8,13 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from muon_dtensor.newton_schulz import (
     BAND_INPUT_FLOOR,
+    BATCH_ENV,
     PRESET_BANDS,
+    _batch,
     newton_schulz,
+    orthogonalize,
     scalar_map,
+    stacked,
 )
 from muon_dtensor.validation import resolve_ns_config
 
@@ -92,6 +96,23 @@ def test_result_of_a_matrix_does_not_depend_on_its_batch(
     # One matrix as a 2-D input (mm/addmm, the CPU path) equals its row of the batch (bmm/baddbmm).
     for i in range(7):
         assert torch.equal(newton_schulz(x[i], config), full[i])
+
+
+def test_a_stacks_matrices_are_batched_as_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner's same-shape matrices are ``unbind`` views of one assembled stack: the batch is a
+    view of it, not a copy, and the results are the stacked copy's, bitwise; matrices that are not
+    back to back (every other one, or a strided one) are copied into a batch as before."""
+    monkeypatch.setenv(BATCH_ENV, "always")
+    config = resolve_ns_config("keller", 5, 1e-7, torch.float32)
+    stack = torch.randn(4, 12, 20, generator=torch.Generator().manual_seed(5))
+    views = list(stack.unbind(0))
+    assert stacked(views) and _batch(views).data_ptr() == stack.data_ptr()
+    assert torch.equal(_batch(views), stack)
+    for apart in (views[::2], [views[0], views[1].mT.contiguous().mT]):
+        assert not stacked(apart) and _batch(apart).data_ptr() != stack.data_ptr()
+    copies = [v.clone() for v in views]
+    for got, want in zip(orthogonalize(views, config), orthogonalize(copies, config)):
+        assert torch.equal(got, want)
 
 
 def test_zero_input_gives_zero_not_nan() -> None:

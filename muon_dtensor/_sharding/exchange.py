@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..newton_schulz import stacked
 from .blocks import Block, block_numel, block_shape
 from .comm import CommStats, pack_chunks, start_exchange
 from .gangs import SplitRoute
@@ -96,20 +97,6 @@ def _run_views(buffer: Tensor, matrix: Tensor, run: Run) -> tuple[Tensor, Tensor
     else:
         rows = matrix[run.row : run.row + run.count * run.rows].unflatten(0, (run.count, run.rows))
     return flat, rows
-
-
-def stacked(tensors: Sequence[Tensor]) -> bool:
-    """Whether ``tensors`` lie back to back in one storage, each contiguous (as a stack's
-    ``unbind`` leaves them): one strided view can then cover them all."""
-    first = tensors[0]
-    size = first.numel() * first.element_size()
-    return all(
-        t.is_contiguous()
-        and t.shape == first.shape
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and t.data_ptr() == first.data_ptr() + i * size
-        for i, t in enumerate(tensors)
-    )
 
 
 def _batch_view(matrix: Tensor, count: int, block: Block) -> Tensor:
