@@ -292,7 +292,7 @@ def _cat_flat(pieces: Sequence[Tensor], total: int) -> Tensor:
     (no op per piece), the others flattened one by one (``runs.segments``)."""
     parts = segments([p.shape[1] if p.ndim == 2 else None for p in pieces])
     if len(parts) == 1:
-        first, stop, cols = parts[0]
+        cols = parts[0][2]
         if cols is not None:
             return torch.cat(list(pieces)).view(-1)
         return torch.cat([p.reshape(-1) for p in pieces])

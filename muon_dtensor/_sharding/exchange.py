@@ -183,8 +183,8 @@ def _to_blocks(
     assert group is not None
     send = torch.empty(sum(route.send_numels), dtype=ref.dtype, device=ref.device)
     for run in route.send_runs:
-        singles = [run] if not run.more or stacked([results[m] for m in run.members]) else None
-        for part in singles or [run.single(j) for j in range(len(run.members))]:
+        together = not run.more or stacked([results[m] for m in run.members])
+        for part in [run] if together else [run.single(j) for j in range(len(run.members))]:
             pieces, rows = _run_views(send, results[part.member], part)
             pieces.copy_(rows)
     for m, offset, block in route.send_loose:
