@@ -49,8 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import MATRIX_SETS, load_snapshot, set_shapes, system_info, wait_for_quiet  # noqa: E402
+from muon_dtensor.checks.validation import resolve_ns_config  # noqa: E402
 from muon_dtensor.demo.cpu import probe  # noqa: E402
-from muon_dtensor.newton_schulz import (  # noqa: E402
+from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
     NSConfig,
@@ -60,10 +61,9 @@ from muon_dtensor.newton_schulz import (  # noqa: E402
     orthogonalize_flops,
     scalar_map,
 )
-from muon_dtensor.validation import resolve_ns_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-NS_MODULE = importlib.import_module("muon_dtensor.newton_schulz")  # not the function of that name
+NS_MODULE = importlib.import_module("muon_dtensor.numerics.newton_schulz")  # not the function of that name
 # Llama-like shapes; 2048 x 11059 is where others measured about 2x per call on a GPU.
 ISSUE_SHAPES = [(512, 1376), (1024, 2752), (256, 4096), (2048, 11059)]
 ACCURACY_SHAPES = [(512, 1376), (1024, 2752), (256, 4096)]

@@ -30,10 +30,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import system_info  # noqa: E402
-from muon_dtensor._sharding.blocks import block_numel  # noqa: E402
-from muon_dtensor._sharding.exchange import _assemble, _cut, _run_views  # noqa: E402
-from muon_dtensor._sharding.routes import RoundRoute, build_routes  # noqa: E402
 from muon_dtensor.planning.plans import sharded_plan  # noqa: E402
+from muon_dtensor.sharding.plan.blocks import block_numel  # noqa: E402
+from muon_dtensor.sharding.plan.routes import RoundRoute, build_routes  # noqa: E402
+from muon_dtensor.sharding.runtime.exchange import _assemble, _cut, _run_views  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_runs.json"
 

@@ -1,7 +1,7 @@
 """Batched bf16 Newton-Schulz TFLOP/s on one CUDA GPU, against the measured bf16 matmul peak.
 
 Prepared for an H200. For each shape it stacks B random matrices, B chosen so
-one call of ``muon_dtensor.newton_schulz.newton_schulz`` (5 Keller iterations, bf16) takes about
+one call of ``muon_dtensor.numerics.newton_schulz.newton_schulz`` (5 Keller iterations, bf16) takes about
 100 ms at the measured peak, and times it eagerly and under ``torch.compile``. Flops are
 ``ns_flops`` (4 m^2 n + 2 m^3 per iteration: X X^T, its square, and the product with X). The
 peak is an 8192^3 bf16 ``torch.mm`` on random data (never zeros: GPUs can run a product of zeros
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from muon_dtensor import newton_schulz, resolve_ns_config  # noqa: E402
-from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
+from muon_dtensor.numerics.newton_schulz import ns_flops  # noqa: E402
 
 SHAPES = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (4096, 14336)]
 GOAL_SHAPES = {(4096, 4096), (4096, 14336)}

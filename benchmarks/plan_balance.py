@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from muon_dtensor.newton_schulz import ns_flops  # noqa: E402
+from muon_dtensor.numerics.newton_schulz import ns_flops  # noqa: E402
 from muon_dtensor.planning.costmodel import (  # noqa: E402
     LLAMA3_8B,
     LLAMA3_70B,

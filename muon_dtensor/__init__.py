@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ._sharding.plan import MatrixEntry, Plan, build_plan
-from .newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
-from .optimizer import ADAMW_DEFAULTS, Muon
-from .param_groups import split_params
-from .qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
-from .validation import resolve_ns_config
+from .checks.validation import resolve_ns_config
+from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
+from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
+from .optim.optimizer import ADAMW_DEFAULTS, Muon
+from .optim.param_groups import split_params
+from .sharding.plan.build import MatrixEntry, Plan, build_plan
 
 __all__ = [
     "ADAMW_DEFAULTS",

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "plan" and any(a == "--check" or a.startswith("--check=") for a in rest):
-        from .topology import main as check_main
+        from .tools.topology import main as check_main
 
         return check_main(rest)
     if command == "plan":

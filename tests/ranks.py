@@ -1,7 +1,7 @@
 """A pool of rank processes per world size, kept for the whole pytest session.
 
 ``run_ranks(fn, world_size, *args, timeout=...)`` has the signature and the results of
-``muon_dtensor.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
+``muon_dtensor.tools.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
 every rank's return value, or raises ``RankError`` with the failing rank's traceback. The difference is
 that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, each
 worker imports torch and joins a gloo process group once, then loops over tasks (the pattern of torch's
@@ -17,7 +17,7 @@ workers hold more than MAX_THREADS threads (gloo keeps threads per group) is ret
 worker exits when the session closes its stdin, and dies with pytest (PR_SET_PDEATHSIG) if killed.
 
 Tests that need fresh processes (a rank that calls ``os._exit`` on purpose, patched package internals,
-per-run environment) use ``muon_dtensor.testing.run_ranks`` instead.
+per-run environment) use ``muon_dtensor.tools.testing.run_ranks`` instead.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from muon_dtensor.testing import RankError
+from muon_dtensor.tools.testing import RankError
 
 __all__ = ["RankError", "run_ranks", "shutdown"]
 
@@ -254,7 +254,7 @@ def _serve(folder: Path, rank: int, world_size: int) -> None:
             part.write_bytes(pickle.dumps(("error", traceback.format_exc(), _threads(), _step_failed())))
         part.rename(folder / f"result{task}.{rank}.pkl")
     sys.stderr.flush()
-    os._exit(0)  # no gloo destructor at exit (see muon_dtensor.testing)
+    os._exit(0)  # no gloo destructor at exit (see muon_dtensor.tools.testing)
 
 
 def _threads() -> int:
@@ -269,7 +269,7 @@ def _step_failed() -> bool:
     """Whether a rank reported a step's failure (``comm.releasing_peers``) in this pool's store."""
     import torch.distributed as dist
 
-    from muon_dtensor._sharding.comm import FAILED_KEY
+    from muon_dtensor.sharding.runtime.comm import FAILED_KEY
 
     return bool(dist.distributed_c10d._get_default_store().check([FAILED_KEY]))
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.testing import run_ranks as run_fresh
+from muon_dtensor.tools.testing import run_ranks as run_fresh
 from tests.models import Net, build, fsdp, full, model_grads, step_together
 from tests.ranks import RankError, run_ranks
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from muon_dtensor.newton_schulz import ns_flops
+from muon_dtensor.numerics.newton_schulz import ns_flops
 from muon_dtensor.planning.costmodel import (
     CURRENT,
     FUSED,

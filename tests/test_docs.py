@@ -233,7 +233,7 @@ def test_api_md_covers_the_public_packages() -> None:
         "muon_dtensor.planning.hardware",
         "muon_dtensor.planning.cli",
         "muon_dtensor.demo",
-        "muon_dtensor.testing",
+        "muon_dtensor.tools.testing",
     ):
         assert module in covered, f"docs/api.md has no section for {module}"
 
@@ -295,7 +295,7 @@ def test_readme_test_command_installs_what_the_tests_need() -> None:
 
 
 def test_the_agreed_settings_are_listed_in_unsupported_md() -> None:
-    from muon_dtensor.agreement import AGREED_KEYS
+    from muon_dtensor.checks.agreement import AGREED_KEYS
 
     text = " ".join((ROOT / "docs" / "unsupported.md").read_text().split())
     listed = re.search(r"the same settings: (.+?)\. Cost", text)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import BATCH_ENV
+from muon_dtensor.numerics.newton_schulz import BATCH_ENV
 from tests.models import full, step_together
 from tests.ranks import run_ranks
 

@@ -21,8 +21,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from muon_dtensor import Muon
-from muon_dtensor.agreement import AGREED_KEYS
-from muon_dtensor.newton_schulz import (
+from muon_dtensor.checks.agreement import AGREED_KEYS
+from muon_dtensor.checks.validation import check_muon_group, resolve_ns_config
+from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
     NSConfig,
@@ -34,12 +35,11 @@ from muon_dtensor.newton_schulz import (
     uses_gram,
 )
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
-from muon_dtensor.validation import check_muon_group, resolve_ns_config
 from tests.models import full, stepped
 from tests.ranks import run_ranks
 
 # The module, not the function that ``muon_dtensor`` exports under the same name.
-NS_MODULE = importlib.import_module("muon_dtensor.newton_schulz")
+NS_MODULE = importlib.import_module("muon_dtensor.numerics.newton_schulz")
 
 
 def _with_spectrum(m: int, n: int, s: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

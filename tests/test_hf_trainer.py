@@ -2,10 +2,10 @@
 muon_dtensor optimizer: train, let the Trainer save ``checkpoint-N``, resume in fresh processes.
 
 The Trainer refuses ``optimizers=(...)`` under FSDP, so Muon comes in through
-``optimizer_cls_and_kwargs`` as the factory ``muon_dtensor.hf.MuonForTrainer`` (transformers' hook
+``optimizer_cls_and_kwargs`` as the factory ``muon_dtensor.integrations.hf.MuonForTrainer`` (transformers' hook
 for Muon-like optimizers): it gets the plain model, builds the param groups with ``split_params``,
 and accelerate then swaps the parameters for the DTensors ``fully_shard`` made (``Muon`` follows,
-tests/test_accelerate.py). On CPU accelerate drops its FSDP plugin; ``muon_dtensor.hf.FsdpOnCpu``
+tests/test_accelerate.py). On CPU accelerate drops its FSDP plugin; ``muon_dtensor.integrations.hf.FsdpOnCpu``
 puts it back, as accelerate does on a GPU (accelerate's GPU-only decision itself is not tested).
 
 accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)``: under
@@ -15,7 +15,7 @@ accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)`
 after the resume is the momentum at the save, bit for bit, and the resumed run ends where the
 uninterrupted one ends, bit for bit.
 
-Each run is a fresh ``muon_dtensor.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
+Each run is a fresh ``muon_dtensor.tools.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
 etc. from the environment and keeps process-wide state. Skipped without transformers/accelerate.
 """
 
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from muon_dtensor.hf import FsdpOnCpu, MuonForTrainer
-from muon_dtensor.testing import run_ranks
+from muon_dtensor.integrations.hf import FsdpOnCpu, MuonForTrainer
+from muon_dtensor.tools.testing import run_ranks
 from tests.models import full
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def test_trainer_fsdp2_resumes_momentum_and_run_exactly(tmp_path: Path) -> None:
             assert straight["losses"][-1] < straight["losses"][0], straight["losses"]
 
 
-# Rank functions (fresh processes, muon_dtensor.testing).
+# Rank functions (fresh processes, muon_dtensor.tools.testing).
 
 
 class Counting(torch.utils.data.Dataset):
@@ -139,7 +139,7 @@ class Recorder(TrainerCallback):
 
 
 class CpuFsdpTrainer(FsdpOnCpu, Trainer):
-    """The Trainer with FSDP2 kept on CPU ranks (accelerate drops it there; ``muon_dtensor.hf``)."""
+    """The Trainer with FSDP2 kept on CPU ranks (accelerate drops it there; ``muon_dtensor.integrations.hf``)."""
 
 
 def _run(root: str, kind: str, resume_from: str | None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bench_host
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import BATCH_ENV, batching
+from muon_dtensor.numerics.newton_schulz import BATCH_ENV, batching
 from tests.ranks import run_ranks
 
 

@@ -1,9 +1,13 @@
-"""The layers, held to the code: Math <- Plan <- Comm <- Step <- Checkpoint / Demo, with Planning
-beside the step and below nothing. A module imports only from its own layer or lower ones
-(function-level imports included); nothing below the step imports Planning, and the step reaches it
-only through ``policy.py``, where the ``"auto"`` options are priced. No import cycles.
+"""The layers, held to the code: each folder of the package is one layer, and a module imports only
+from its own layer or lower ones (function-level imports included), with no import cycle:
 
-docs/design.md's module table names the same layers (checked below), so the prose cannot drift.
+    numerics <- sharding/plan <- sharding/runtime <- checks <- features <- optim
+             <- checkpoint <- integrations <- tools <- demo
+
+``planning/`` stands beside them: it prices the math and the plan and never talks, and the optimizer
+reaches it only through ``optim/policy.py``, where the ``"auto"`` options are priced. A new module's
+layer is its folder, so there is no table of modules to keep; docs/design.md's layer table names the
+same folders (checked below), so the prose cannot drift.
 """
 
 from __future__ import annotations
@@ -15,21 +19,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "muon_dtensor"
-MATH, PLAN, COMM, STEP, TOP = range(5)
+# Lowest first. The package's own __init__ and __main__ sit above every layer.
+LAYERS = [
+    "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",
+    "checkpoint", "integrations", "tools", "demo",
+]  # fmt: skip
 PLANNING = "planning"
-LAYERS: dict[str, int | str] = {
-    "newton_schulz": MATH, "elementwise": MATH, "normuon": MATH, "split_ns": MATH, "_compat": MATH,
-    "_docs": MATH,
-    "_sharding.blocks": PLAN, "_sharding.param_layout": PLAN, "_sharding.views": PLAN,
-    "_sharding.plan": PLAN, "_sharding.routes": PLAN, "_sharding.runs": PLAN, "_sharding.gangs": PLAN,
-    "_sharding.domains": PLAN, "_sharding.owners": PLAN, "_sharding.memory": PLAN,
-    "_sharding.comm": COMM, "_sharding.groups": COMM, "_sharding.exchange": COMM,
-    "_sharding.split_exchange": COMM,
-    "functional": STEP, "optimizer": STEP, "validation": STEP, "preflight": STEP, "agreement": STEP,
-    "policy": STEP, "sharding": STEP, "state": STEP, "step_checks": STEP, "param_groups": STEP, "qk_clip": STEP,
-    "qk_logits": STEP, "report": STEP, "__init__": STEP, "topology": TOP,
-}  # fmt: skip
-NAMES = {MATH: "math", PLAN: "plan", COMM: "comm", STEP: "step", TOP: "checkpoint/demo"}
+TOP = len(LAYERS)
+FIRST_ABOVE_STEP = LAYERS.index("checkpoint")
 
 
 def _module(path: Path) -> str:
@@ -38,13 +35,16 @@ def _module(path: Path) -> str:
 
 
 def _layer(module: str) -> int | str:
-    top = module.split(".")[0]
-    if top == PLANNING:
+    """A module's layer: the longest layer folder its path starts with."""
+    if module.split(".")[0] == PLANNING:
         return PLANNING
-    if top in ("checkpoint", "demo", "testing", "hf", "__main__", "resume_check"):
+    if module in ("", "__init__", "__main__"):
         return TOP
-    assert module in LAYERS, f"muon_dtensor.{module} has no layer: add it to tests/test_layers.py"
-    return LAYERS[module]
+    if module == "sharding":  # the folder's own __init__: below its plan
+        return LAYERS.index("sharding.plan")
+    found = [layer for layer in LAYERS if module == layer or module.startswith(layer + ".")]
+    assert found, f"muon_dtensor.{module} is in no layer folder: move it into one of {LAYERS}"
+    return LAYERS.index(max(found, key=len))
 
 
 def _imports(path: Path) -> set[str]:
@@ -84,17 +84,21 @@ def _graph() -> dict[str, set[str]]:
 
 def _allowed(source: str, target: str) -> bool:
     s, t = _layer(source), _layer(target)
-    if t == PLANNING:  # beside the step: planning itself, the step's policy and the top reach it
-        return s in (PLANNING, TOP) or source == "policy"
+    if t == PLANNING:  # beside the step: planning itself, the step's policy and what sits above the step
+        return s == PLANNING or source == "optim.policy" or (isinstance(s, int) and s >= FIRST_ABOVE_STEP)
     if s == PLANNING:  # below nothing: planning prices the math and the plan, never talks
-        return t in (MATH, PLAN)
+        return t in (LAYERS.index("numerics"), LAYERS.index("sharding.plan"))
     assert isinstance(s, int) and isinstance(t, int)
     return t <= s
 
 
+def _name(layer: int | str) -> str:
+    return layer if isinstance(layer, str) else (LAYERS[layer] if layer < TOP else "top")
+
+
 def test_no_module_imports_a_higher_layer() -> None:
     broken = [
-        f"{s} ({NAMES.get(_layer(s), _layer(s))}) imports {t} ({NAMES.get(_layer(t), _layer(t))})"  # type: ignore[call-overload]
+        f"{s} ({_name(_layer(s))}) imports {t} ({_name(_layer(t))})"
         for s, targets in _graph().items()
         for t in sorted(targets)
         if not _allowed(s, t)
@@ -124,19 +128,24 @@ def test_no_import_cycles() -> None:
     assert not real, "import cycles:\n" + "\n".join(real)
 
 
-@pytest.mark.parametrize("module", sorted(LAYERS))
-def test_design_md_names_each_module_in_its_layer(module: str) -> None:
-    """Each row of design.md's module table says which layer its modules are in."""
+def test_every_module_is_in_a_layer_folder() -> None:
+    """Only the package's entry points sit at the top level: every other module is in a layer."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules outside the layer folders: {loose}"
+    folders = {".".join(p.relative_to(PACKAGE).parts[:-1]) for p in PACKAGE.rglob("__init__.py")}
+    assert folders - {""} <= {*LAYERS, PLANNING, "sharding"}, sorted(folders - {*LAYERS, PLANNING, "sharding", ""})
+
+
+@pytest.mark.parametrize("layer", [*LAYERS, PLANNING])
+def test_design_md_names_each_layer_folder_and_its_modules(layer: str) -> None:
+    """docs/design.md's layer table has a row per folder, in this order, naming every module in it."""
     table = (PACKAGE.parent / "docs" / "design.md").read_text().split("## A step")[0]
-    name = (
-        module.replace(".", "/") + ".py"
-        if not module.startswith("_sharding")
-        else module.split(".")[1] + ".py"
-    )
-    if module == "__init__":
-        return
-    rows = [line for line in table.splitlines() if line.startswith("|") and f"`{name}`" in line]
-    assert rows, f"docs/design.md's module table does not name {name}"
-    assert f"**{NAMES[LAYERS[module]]}**" in rows[0], (
-        f"{name}: its row does not say **{NAMES[LAYERS[module]]}**"
-    )  # type: ignore[index]
+    rows = [line for line in table.splitlines() if line.startswith("| **")]
+    folder = layer.replace(".", "/") + "/"
+    mine = [r for r in rows if r.startswith(f"| **{folder}**")]
+    assert mine, f"docs/design.md's layer table has no row for **{folder}**"
+    order = [r.split("**")[1] for r in rows]
+    assert order == [f.replace(".", "/") + "/" for f in [*LAYERS, PLANNING]], order
+    modules = sorted(p.name for p in PACKAGE.joinpath(*layer.split(".")).glob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if f"`{m}`" not in mine[0]]
+    assert not missing, f"docs/design.md's row for {folder} does not name {missing}"

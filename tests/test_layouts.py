@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.sharding import layout_of
+from muon_dtensor.optim.group_sharding import layout_of
 from tests.models import MLP, model_grads, shard_mlp, step_together
 from tests.ranks import run_ranks
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor._sharding.blocks import block_numel
-from muon_dtensor._sharding.memory import round_sizes
-from muon_dtensor._sharding.param_layout import local_of
-from muon_dtensor._sharding.plan import build_plan
-from muon_dtensor._sharding.routes import build_routes
 from muon_dtensor.planning.plans import hsdp_plan, sharded_plan
+from muon_dtensor.sharding.plan.blocks import block_numel
+from muon_dtensor.sharding.plan.build import build_plan
+from muon_dtensor.sharding.plan.memory import round_sizes
+from muon_dtensor.sharding.plan.param_layout import local_of
+from muon_dtensor.sharding.plan.routes import build_routes
 from tests.allocations import LiveBytes
 from tests.ranks import run_ranks
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor.sharding import layout_of
+from muon_dtensor.optim.group_sharding import layout_of
 from tests.models import MLP
 from tests.ranks import run_ranks
 

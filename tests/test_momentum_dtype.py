@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import NSConfig, orthogonalize
+from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 
 SHAPES = [(37, 24), (24, 37), (16, 16)]
 M = 0.95

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from muon_dtensor.newton_schulz import (
+from muon_dtensor.checks.validation import resolve_ns_config
+from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
     BATCH_ENV,
     PRESET_BANDS,
@@ -16,7 +17,6 @@ from muon_dtensor.newton_schulz import (
     scalar_map,
     stacked,
 )
-from muon_dtensor.validation import resolve_ns_config
 
 
 def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:

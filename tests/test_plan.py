@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from muon_dtensor._sharding.blocks import AxisShard, block_numel, block_shape, shard_blocks
-from muon_dtensor._sharding.plan import EVERYONE, MatrixEntry, build_plan
-from muon_dtensor.newton_schulz import ns_flops
+from muon_dtensor.numerics.newton_schulz import ns_flops
+from muon_dtensor.sharding.plan.blocks import AxisShard, block_numel, block_shape, shard_blocks
+from muon_dtensor.sharding.plan.build import EVERYONE, MatrixEntry, build_plan
 
 # Llama-3-8B hidden matrices: 32 layers of q, o (4096x4096), k, v (1024x4096), gate, up (14336x4096),
 # down (4096x14336) (Meta's params.json: dim 4096, n_kv_heads 8, ffn 14336).

@@ -25,8 +25,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 from muon_dtensor import Muon, QKClipFactors, qk_clip_, qk_clip_factors
 from muon_dtensor.demo.logits import record_demo_logits
-from muon_dtensor.qk_clip import local_rows
-from muon_dtensor.qk_logits import record_llama_logits
+from muon_dtensor.features.qk_clip import local_rows
+from muon_dtensor.features.qk_logits import record_llama_logits
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

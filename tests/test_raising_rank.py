@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import NSConfig, orthogonalize
-from muon_dtensor.testing import run_ranks
+from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
+from muon_dtensor.tools.testing import run_ranks
 
 BOUND_S = 20.0  # what the peers may take; they raise about one polling interval after the failure
 LINGER_S = 60.0  # how long the raising rank stays alive waiting for its peers' reports

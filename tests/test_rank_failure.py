@@ -21,10 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import muon_dtensor._sharding.exchange as exchange
+import muon_dtensor.sharding.runtime.exchange as exchange
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
-from muon_dtensor.testing import RankError, run_ranks
+from muon_dtensor.tools.testing import RankError, run_ranks
 
 SAVED, TOTAL = 2, 5
 BOUND_S = 60.0  # what the test allows; gloo measured about 7 s here (docs/unsupported.md)

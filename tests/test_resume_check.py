@@ -19,7 +19,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.demo.data import batch, corpus, tokens
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import shard_model
-from muon_dtensor.resume_check import _compare, loss_scale, micro_batches_for, run_resume_check
+from muon_dtensor.tools.resume_check import _compare, loss_scale, micro_batches_for, run_resume_check
 
 CFG = ModelConfig(vocab=64, dim=32, layers=1, heads=2, seq=16)
 BATCH, N_MICRO = 8, 2  # sequences per step; the recipe's micro-batches: one per rank at 2 ranks

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, full_block, shard_blocks
-from muon_dtensor._sharding.plan import EVERYONE, MatrixEntry, Plan, build_plan
-from muon_dtensor._sharding.routes import RoundRoute, build_routes
+from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, full_block, shard_blocks
+from muon_dtensor.sharding.plan.build import EVERYONE, MatrixEntry, Plan, build_plan
+from muon_dtensor.sharding.plan.routes import RoundRoute, build_routes
 
 SHAPES = [(37, 24), (24, 37), (3, 16), (1, 8), (64, 64), (64, 64), (16, 96)]
 

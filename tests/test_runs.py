@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, block_shape, shard_blocks
-from muon_dtensor._sharding.exchange import _assemble, _cut, _run_views
-from muon_dtensor._sharding.plan import MatrixEntry, build_plan
-from muon_dtensor._sharding.routes import Inbound, Outbound, RoundRoute, build_routes
-from muon_dtensor._sharding.runs import Run, merge_members, merge_runs, owner_copies, segments
-from muon_dtensor.newton_schulz import stacked
+from muon_dtensor.numerics.newton_schulz import stacked
 from muon_dtensor.planning.plans import hsdp_plan, sharded_plan
+from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, block_shape, shard_blocks
+from muon_dtensor.sharding.plan.build import MatrixEntry, build_plan
+from muon_dtensor.sharding.plan.routes import Inbound, Outbound, RoundRoute, build_routes
+from muon_dtensor.sharding.plan.runs import Run, merge_members, merge_runs, owner_copies, segments
+from muon_dtensor.sharding.runtime.exchange import _assemble, _cut, _run_views
 
 ROWS: Block = (((0, 2),), ((0, 3),))
 

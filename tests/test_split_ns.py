@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from muon_dtensor.newton_schulz import (
+from muon_dtensor.numerics.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     PRESETS,
     NSConfig,
@@ -26,7 +26,13 @@ from muon_dtensor.newton_schulz import (
     ns_flops,
     orthogonalize,
 )
-from muon_dtensor.split_ns import LocalGang, part_sizes, split_flops, split_newton_schulz, split_orthogonalize
+from muon_dtensor.numerics.split_ns import (
+    LocalGang,
+    part_sizes,
+    split_flops,
+    split_newton_schulz,
+    split_orthogonalize,
+)
 
 # Llama-3-8B's q/o (4096 x 4096), k/v (1024 x 4096), up (14336 x 4096) and down (4096 x 14336)
 # aspect ratios at 1/16 of the size (1/4 for the largest, to keep one realistic small side).

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
-from muon_dtensor._sharding.plan import MatrixEntry, build_plan
-from muon_dtensor.newton_schulz import ns_flops
+from muon_dtensor.numerics.newton_schulz import ns_flops
+from muon_dtensor.numerics.split_ns import split_flops
 from muon_dtensor.planning.costmodel import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Hardware, predict
 from muon_dtensor.planning.split import (
     SplitPlan,
@@ -22,7 +21,8 @@ from muon_dtensor.planning.split import (
     split_links,
     split_seconds,
 )
-from muon_dtensor.split_ns import split_flops
+from muon_dtensor.sharding.plan.blocks import AxisShard, shard_blocks
+from muon_dtensor.sharding.plan.build import MatrixEntry, build_plan
 
 RANKS = [8, 16, 64, 128, 256, 512, 1024]
 

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 
 from muon_dtensor import Muon
-from muon_dtensor.newton_schulz import NSConfig, orthogonalize
-from muon_dtensor.split_ns import split_orthogonalize
+from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
+from muon_dtensor.numerics.split_ns import split_orthogonalize
 from tests.models import full, stepped
 from tests.ranks import run_ranks
 
@@ -109,19 +109,19 @@ def test_split_step_equals_the_split_reference(world_size: int) -> None:
 
 
 def _entries(shapes: Sequence[tuple[int, int]], n: int) -> list:
-    from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
-    from muon_dtensor._sharding.plan import MatrixEntry
+    from muon_dtensor.sharding.plan.blocks import AxisShard, shard_blocks
+    from muon_dtensor.sharding.plan.build import MatrixEntry
 
     return [MatrixEntry(s, shard_blocks(s, [AxisShard(0, 0, n)])) for s in shapes]
 
 
 def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
-    from muon_dtensor._sharding.blocks import AxisShard, shard_blocks
-    from muon_dtensor._sharding.domains import build_domain, group_members
-    from muon_dtensor._sharding.param_layout import ParamLayout
-    from muon_dtensor._sharding.routes import build_routes
-    from muon_dtensor._sharding.views import matrix_views
-    from muon_dtensor.policy import SplitPolicy
+    from muon_dtensor.optim.policy import SplitPolicy
+    from muon_dtensor.sharding.plan.blocks import AxisShard, shard_blocks
+    from muon_dtensor.sharding.plan.domains import build_domain, group_members
+    from muon_dtensor.sharding.plan.param_layout import ParamLayout
+    from muon_dtensor.sharding.plan.routes import build_routes
+    from muon_dtensor.sharding.plan.views import matrix_views
 
     n, shapes = 16, [(512, 2048)] * 3 + [(64, 64)] * 20 + [(2048, 512)]
     layouts, views = [], []
@@ -151,8 +151,8 @@ def test_gangs_take_aligned_ranks_and_stay_in_one_round() -> None:
 
 
 def test_auto_splits_only_where_the_model_says_it_pays() -> None:
+    from muon_dtensor.optim.policy import SplitPolicy
     from muon_dtensor.planning.costmodel import LLAMA3_70B
-    from muon_dtensor.policy import SplitPolicy
 
     shapes = [tuple(s) for s in LLAMA3_70B]
     auto = SplitPolicy("auto")

@@ -12,7 +12,7 @@ from torch import nn
 
 from muon_dtensor.__main__ import main as entry
 from muon_dtensor.planning.cli import main as plan_main
-from muon_dtensor.topology import check, meta_model
+from muon_dtensor.tools.topology import check, meta_model
 
 SMALL = {
     "hidden_size": 64,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import muon_dtensor.elementwise as elementwise
-from muon_dtensor.elementwise import apply_muon_update, buckets, muon_momentum, scale_updates
+import muon_dtensor.numerics.elementwise as elementwise
+from muon_dtensor.numerics.elementwise import apply_muon_update, buckets, muon_momentum, scale_updates
 
 SHAPES = [(37, 53), (64, 64), (3, 1), (0, 0), (1000, 17)]
 

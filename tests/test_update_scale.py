@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor.elementwise import adjust_lr
+from muon_dtensor.numerics.elementwise import adjust_lr
 from tests.models import build, full, random_grads, step_together
 from tests.ranks import run_ranks
 

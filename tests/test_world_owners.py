@@ -27,11 +27,11 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from muon_dtensor import Muon
-from muon_dtensor._sharding.blocks import AxisShard, Block, block_numel, full_block, mesh_blocks
-from muon_dtensor._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
-from muon_dtensor._sharding.routes import build_routes
 from muon_dtensor.planning.costmodel import LLAMA3_8B, Hardware, compare_owners, hsdp_plan, predict
 from muon_dtensor.planning.traffic import Traffic, mean_traffic, traffic
+from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, full_block, mesh_blocks
+from muon_dtensor.sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
+from muon_dtensor.sharding.plan.routes import build_routes
 from tests.models import distribute_like, full, stepped
 from tests.ranks import run_ranks
 

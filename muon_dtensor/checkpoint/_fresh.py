@@ -16,8 +16,8 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from ..optimizer import Muon
-from ..state import init_state
+from ..optim.optimizer import Muon
+from ..optim.state import init_state
 
 __all__ = [
     "FRESH_HINT",

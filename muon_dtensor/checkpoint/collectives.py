@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._sharding.comm import gather_objects, rank_and_size
+from ..sharding.runtime.comm import gather_objects, rank_and_size
 
 __all__ = ["barrier", "broadcast_object", "first_error", "gather_objects", "portable", "rank_and_size"]
 

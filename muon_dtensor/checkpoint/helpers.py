@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .._sharding import groups
+from ..sharding.runtime import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
@@ -319,6 +319,6 @@ def _apply(state: dict[str, Any], model: nn.Module, optimizer: Optimizer | None,
 
 
 def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    from .._compat import flatten_state_dict
+    from ..sharding.plan.compat import flatten_state_dict
 
     return flatten_state_dict(state)

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .._sharding.blocks import Block
-from .._sharding.param_layout import local_of
-from ..sharding import layout_of
+from ..optim.group_sharding import layout_of
+from ..sharding.plan.blocks import Block
+from ..sharding.plan.param_layout import local_of
 from ._warnings import single_process
 from .agree import agree
 from .manifest import CheckpointError, verify_folder

@@ -2,7 +2,7 @@
 
 Its blocks call ``F.scaled_dot_product_attention``, which never exposes its scores, so the hooks
 take the ``q`` and ``k`` projections' outputs (the exact tensors SDPA receives) and apply SDPA's
-default scale ``1/sqrt(head_dim)`` and causal mask (``muon_dtensor.qk_logits.causal_max``).
+default scale ``1/sqrt(head_dim)`` and causal mask (``muon_dtensor.features.qk_logits.causal_max``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from muon_dtensor.qk_logits import MaxLogits, causal_max, head_ids, local_part
+from muon_dtensor.features.qk_logits import MaxLogits, causal_max, head_ids, local_part
 
 from .model import Block
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from muon_dtensor._sharding import comm
+from muon_dtensor.sharding.runtime import comm
 
 from .logits import record_demo_logits
 

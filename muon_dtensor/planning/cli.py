@@ -24,9 +24,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .._sharding.blocks import block_numel
-from .._sharding.memory import group_peak
-from .._sharding.plan import DEFAULT_ROUND_BYTES
+from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES
+from ..sharding.plan.memory import group_peak
 from .costmodel import (
     CURRENT,
     LLAMA3_8B,

@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._sharding.blocks import block_numel
-from .._sharding.plan import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
-from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
 from .hardware import Hardware, fit_latency_bandwidth
 from .host_ops import StepShape, step_ops
 from .links import back_links, pipeline_seconds, to_owner_links

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._sharding.blocks import block_numel, block_shape
-from .._sharding.plan import Plan
-from .._sharding.routes import Inbound, Outbound, OwnBatch, build_routes
-from .._sharding.runs import segments
+from ..sharding.plan.blocks import block_numel, block_shape
+from ..sharding.plan.build import Plan
+from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
+from ..sharding.plan.runs import segments
 
 __all__ = ["CHECK_OPS", "CHECK_SCOPE_OPS", "StepShape", "step_ops"]
 

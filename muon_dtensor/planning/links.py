@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._sharding.blocks import block_numel
-from .._sharding.plan import EVERYONE, MatrixEntry, Plan
+from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
 from .hardware import Hardware
 
 __all__ = ["Links", "back_links", "pipeline_seconds", "to_owner_links"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from .._sharding.blocks import AxisShard, Block, mesh_blocks, shard_blocks
-from .._sharding.plan import MatrixEntry, Plan, build_plan
+from ..sharding.plan.blocks import AxisShard, Block, mesh_blocks, shard_blocks
+from ..sharding.plan.build import MatrixEntry, Plan, build_plan
 from .shapes import Shape
 
 __all__ = ["hsdp_plan", "sharded_plan"]

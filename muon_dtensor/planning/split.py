@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .._sharding.blocks import block_numel
-from .._sharding.plan import Plan
-from ..newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
-from ..split_ns import split_flops
+from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from ..numerics.split_ns import split_flops
+from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.build import Plan
 from .hardware import Hardware
 from .links import Links, pipeline_seconds
 

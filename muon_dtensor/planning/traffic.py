@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._sharding.blocks import block_numel
-from .._sharding.plan import EVERYONE, MatrixEntry, Plan
+from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
 
 __all__ = ["Traffic", "mean_traffic", "traffic"]
 

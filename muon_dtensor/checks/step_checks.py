@@ -1,0 +1,228 @@
+"""Everything a step must know before data moves, in one small all-reduce per scope (per mesh axis;
+per DDP group): whether the ranks built the optimizer alike (the agreement's digest), whether any
+rank's values fail the local checks, and which parameters have a gradient, a sparse one or one laid
+out unlike the parameter (the preflight's flags).
+
+The order is what keeps every rank together: the local checks run and are caught, their failure
+travels in the same sum as the digest, and only then does any rank raise, the same error on every
+rank of the scope. A value one rank alone changed after construction is a disagreement; a bad value
+set on every rank is the local check's error, raised everywhere. Scopes reduce in the same order on
+every rank and each carries the failures already learned, so a rank that only shares a later mesh
+with the failing one learns of it too.
+
+What does not change between steady steps is cached by parameter identity: the hash of the
+parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
+changes lr) and builds the per-rank flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ..numerics.newton_schulz import NSConfig
+from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
+from .agreement import all_params, digest_pieces, explain, scope_entries, settings_of
+from .names import param_names
+from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
+from .validation import check_group
+
+__all__ = ["StepChecks"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The cached, per-parameter-set part of the checks."""
+
+    scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
+    params: tuple[str, ...]  # per scope: a hash of its groups' (name, layout) rows and every parameter's
+    members: tuple[tuple[int, ...], ...]  # per scope: the groups with parameters there
+    flat: tuple[Tensor, ...]  # every parameter, in group order
+    names: tuple[str, ...]  # their names, for errors
+    scope_of: Tensor  # per parameter: the index of its scope, -1 for none
+    sizes: tuple[int, ...]  # per group: its parameter count
+    specs: tuple[tuple[Any, Any], ...]  # per parameter: its spec and local shape (preflight.presence)
+    scoped: tuple[tuple[int, ...], ...]  # per scope: its parameters' indices
+
+
+class StepChecks:
+    """The agreement, the local checks and the preflight of ``Muon.step``, cached between steps."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._layout: _Layout | None = None
+
+    def run(
+        self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None
+    ) -> tuple[list[NSConfig | None], list[list[int]]]:
+        """Per group its Newton-Schulz config (None for AdamW) and the indices of the parameters
+        with a gradient to apply; raises the same error on every rank of a scope."""
+        layout = self._layout_of(groups, ddp_group)
+        configs, error = _local_checks(groups)
+        bits, bad = presence(layout.flat, layout.specs)
+        digests = [
+            digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
+            for text, members in zip(layout.params, layout.members)
+        ]
+        held = [_bits_pieces(bits, scoped) for scoped in layout.scoped]
+        heads, ranks = _reduce(layout.scopes, digests, held, bad, error is not None)
+        for k, head in enumerate(heads):
+            if _disagree(head[:7]):
+                _explain(groups, ddp_group, layout.scopes[k])
+        if error is not None or any(head[7] for head in heads):
+            _raise_together(error, heads)
+        slow = [k for k, head in enumerate(heads) if head[14] or _disagree([head[0], *head[8:14]])]
+        present = list(bits) if not (slow or bad) else _present_slow(layout, slow, ranks)
+        it = iter(present)
+        return configs, [[i for i in range(size) if next(it)] for size in layout.sizes]
+
+    def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+        key = (
+            id(ddp_group),
+            tuple(
+                (tuple(map(id, g["params"])), tuple(g.get("param_names", ())), g["algorithm"]) for g in groups
+            ),
+        )
+        if key != self._key or self._layout is None:
+            self._layout = _build_layout(groups, ddp_group)
+            self._key = key
+        return self._layout
+
+
+def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+    per_scope = scope_entries(groups, ddp_group)
+    everything = repr(all_params(groups))
+    params = tuple(
+        hashlib.blake2b((repr([(i, named) for i, _, named in e]) + everything).encode()).hexdigest()
+        for e in per_scope.values()
+    )
+    members = tuple(tuple(i for i, _, _ in e) for e in per_scope.values())
+    where = {scope: k for k, scope in enumerate(per_scope)}
+    scope_of = [
+        where.get(
+            p.device_mesh if isinstance(p, DTensor) else (ddp_group if g["algorithm"] == "muon" else None), -1
+        )
+        for g in groups
+        for p in g["params"]
+    ]
+    return _Layout(
+        tuple(per_scope),
+        params,
+        members,
+        tuple(p for g in groups for p in g["params"]),
+        tuple(n for i, g in enumerate(groups) for n in param_names(g, i)),
+        torch.tensor(scope_of, dtype=torch.int64),
+        tuple(len(g["params"]) for g in groups),
+        specs_of([p for g in groups for p in g["params"]]),
+        tuple(tuple(i for i, s in enumerate(scope_of) if s == k) for k in range(len(per_scope))),
+    )
+
+
+def _explain(groups: Sequence[Mapping[str, Any]], ddp_group: Any, scope: Any) -> None:
+    """Every rank of ``scope`` saw the digests differ: gather what they are of and name the field."""
+    mine = [*scope_entries(groups, ddp_group)[scope], all_params(groups)]
+    explain(scope, mine, gather_over_scope(mine, scope))
+
+
+def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | None], Exception | None]:
+    """``validation.check_group`` of every group, its first error caught (raised once every rank
+    knows)."""
+    configs: list[NSConfig | None] = []
+    for group in groups:
+        try:
+            configs.append(check_group(group))
+        except Exception as e:  # noqa: BLE001 - any local failure is raised on every rank
+            return configs, e
+    return configs, None
+
+
+def _reduce(
+    scopes: Sequence[Any],
+    digests: Sequence[Sequence[int]],
+    held: Sequence[Sequence[int]],
+    bad: int,
+    failed: bool,
+) -> tuple[list[list[int]], list[int]]:
+    """Per scope, in order, ``[1, digest pieces, their squares, failures, gradient-presence digest
+    pieces, their squares, bad gradients]`` summed over the scope, and its rank count. A scope's
+    row carries the failures of the scopes before it."""
+    heads, ranks = [], []
+    known = int(failed)
+    for scope, pieces, bits in zip(scopes, digests, held):
+        squares = [x * x for x in pieces]
+        head = torch.tensor(
+            [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad], dtype=torch.int64
+        )
+        ((summed, size),) = sum_over_scopes(head, [scope])
+        heads.append(summed.tolist())
+        ranks.append(size)
+        known = max(known, int(heads[-1][7] > 0))
+    return heads, ranks
+
+
+def _bits_pieces(bits: bytes, scoped: Sequence[int]) -> list[int]:
+    """The presence bits of a scope's parameters as a 63-bit digest in three pieces: equal on
+    every rank of the scope iff (but for a 2^-63 collision) every rank has the same gradients."""
+    return digest_pieces(bytes(bits[i] for i in scoped).hex())
+
+
+def _present_slow(layout: _Layout, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
+    """Some scope's ranks hold gradients unlike each other, or a bad one: the full flags summed
+    over those scopes (every rank of such a scope saw the same sums, so all of them reduce) to
+    name the parameter. A scope whose ranks agree sums to its rank count times the local flags."""
+    flags = local_flags(layout.flat)
+    sums = []
+    for k, scope in enumerate(layout.scopes):
+        if k in slow:
+            sums.append(sum_over_scopes(flags.flatten(), [scope])[0][0].view(flags.shape))
+        else:
+            sums.append(flags * torch.tensor([ranks[k], 1, 1], dtype=torch.int64))
+    return _present(layout, flags, sums, ranks)
+
+
+def _disagree(row: Sequence[int]) -> bool:
+    """All ranks hold the same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces."""
+    n, sums, squares = row[0], row[1:4], row[4:7]
+    return any(n * sq != s * s for s, sq in zip(sums, squares))
+
+
+def _raise_together(error: Exception | None, heads: Sequence[Sequence[int]]) -> None:
+    """A local check failed on some rank: it raises its own error, the others say where to look."""
+    if error is not None:
+        raise error
+    ranks = max((head[7] for head in heads), default=1)
+    raise ValueError(
+        f"the optimizer's settings failed a check on {ranks} other rank(s) of a mesh this rank shares "
+        "(their error names the group and the value); fix the value there, or set it on every rank"
+    )
+
+
+def _present(layout: _Layout, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]) -> list[bool]:
+    """Which parameters have a gradient somewhere in their scope; raises (``preflight.raise_for``)
+    for a sparse or mislaid gradient, or one present on some ranks of a scope only. A parameter no
+    collective involves still must not fail on one rank alone: its sparse and mislaid counts are
+    the largest over every scope of this rank. A few tensor ops, whatever the parameter count."""
+    n = mine.shape[0]
+    unscoped = layout.scope_of < 0
+    rows, counts = mine.clone(), torch.full((n,), max(ranks, default=1), dtype=torch.int64)
+    if sums:
+        stacked = torch.stack(list(sums))  # [scopes, n, 3]
+        index = layout.scope_of.clamp(min=0)
+        rows = torch.where(unscoped[:, None], rows, stacked[index, torch.arange(n)])
+        worst = torch.maximum(mine[:, 1:], stacked[:, :, 1:].amax(dim=0))
+        rows[:, 1:] = torch.where(unscoped[:, None], worst, rows[:, 1:])
+        counts = torch.where(unscoped, counts, torch.tensor(ranks, dtype=torch.int64)[index])
+    partial = ~unscoped & (rows[:, 0] > 0) & (rows[:, 0] < counts)
+    bad = (rows[:, 1] > 0) | (rows[:, 2] > 0) | partial
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        p = layout.flat[i]
+        scope = True if int(layout.scope_of[i]) >= 0 else None
+        raise_for(PreflightItem(layout.names[i], p, p.grad, scope), rows[i].tolist(), int(counts[i]))
+    return (rows[:, 0] > 0).tolist()

@@ -1,0 +1,405 @@
+"""Every local input check, once. They depend only on metadata every rank shares (hyperparameters,
+global shapes, placements), so every rank raises the same error with no communication. Checks of
+per-rank data are the preflight's (``preflight.py``). Messages are torch.optim's where torch has the
+same check.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from ..numerics.elementwise import ADJUST_LR
+from ..numerics.newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
+from ..sharding.plan.build import MODES, check_mode
+from ..sharding.plan.compat import _StridedShard
+from ..sharding.plan.param_layout import check_placements
+from .names import not_heads
+
+__all__ = [
+    "MODES",
+    "OWNERS",
+    "admit_group",
+    "check_adamw_group",
+    "check_adamw_momentum_dtype",
+    "check_algorithm",
+    "check_flags",
+    "check_group",
+    "check_mode",
+    "check_muon_group",
+    "check_owners",
+    "check_params",
+    "check_process_group",
+    "check_round_bytes",
+    "momentum_dtype_name",
+    "ns_dtype_name",
+    "resolve_ns_config",
+]
+
+OWNERS = ("auto", "mesh", "replica")
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MOMENTUM_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _check_lr(lr: float | Tensor) -> None:
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    _check_finite("lr", lr)
+
+
+def _check_finite(key: str, value: Any) -> None:
+    """An infinite lr, momentum or weight decay can only turn the parameters into NaN."""
+    if not value < math.inf:
+        raise ValueError(f"{key} should be finite but is: {value}; use a finite value (0 turns it off)")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    """A flag the step reads with ``if``: any other value (a string such as 'no') would be truthy."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} should be True or False but is: {value!r}; pass a bool")
+
+
+def check_round_bytes(value: Any) -> None:
+    """``max_round_bytes``: None for one round per step, else a positive int of bytes."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"max_round_bytes should be None (one round) or an int >= 1 (bytes of full matrices per "
+            f"exchange round) but is: {value!r}; the default is 4 << 20"
+        )
+
+
+def check_process_group(group: Any) -> None:
+    """``process_group``: where plain-tensor parameters exchange (None: the default group)."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"process_group should be None (the default group) or a torch.distributed.ProcessGroup "
+            f"but is: {group!r}; pass a group from dist.new_group or a mesh's get_group()"
+        )
+
+
+def check_algorithm(group: dict[str, Any]) -> str:
+    """A param group's algorithm, ``"muon"`` when unset."""
+    algorithm = group.setdefault("algorithm", "muon")
+    if algorithm not in ("muon", "adamw"):
+        raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
+    return algorithm
+
+
+# torchtitan puts fused and foreach in every group: they pick a kernel, not the maths, and Muon has
+# one implementation, so they are ignored. These three, if set, would promise a step Muon does not take.
+_UNSUPPORTED_FLAGS = {
+    "capturable": "its step runs collectives and host-side checks that a CUDA graph cannot capture",
+    "differentiable": "its step runs under torch.no_grad(), so autograd cannot see through it",
+    "maximize": "it always minimizes; negate the loss instead",
+}
+
+
+def check_flags(group: Mapping[str, Any], index: int) -> None:
+    """Refuse torch.optim flags whose True would silently change the step's meaning."""
+    for key, why in _UNSUPPORTED_FLAGS.items():
+        if group.get(key):
+            raise ValueError(
+                f"param group {index} sets {key}={group[key]!r}, which muon_dtensor.Muon does not "
+                f"support: {why}. Set it to False or leave it out"
+            )
+
+
+def check_owners(owners: Any) -> None:
+    if owners not in OWNERS:
+        raise ValueError(
+            f"owners should be 'auto', 'mesh' or 'replica' but is: {owners!r}; 'mesh' orthogonalizes "
+            "each matrix once over all replicas of an HSDP mesh, 'replica' once in every replica"
+        )
+
+
+def check_split(group: Mapping[str, Any]) -> None:
+    """``ns_split``: "off", "auto" or a rank count k >= 2; k only where splits run (``_sharding/
+    splits.py``): the standard iteration, no NorMuon, owner mode."""
+    value = group.get("ns_split", "off")
+    if value in ("off", "auto") and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(
+            f"ns_split should be 'off', 'auto' or a number of ranks >= 2 but is: {value!r}; 'auto' "
+            "splits a matrix's Newton-Schulz over several ranks where the cost model says it pays"
+        )
+    clash = [
+        f"{key}={group.get(key, default)!r}"
+        for key, default, ok in (("ns_algorithm", "standard", "standard"), ("mode", "owner", "owner"))
+        if group.get(key, default) != ok
+    ] + (["normuon=True"] if group.get("normuon", False) else [])
+    if clash:
+        raise ValueError(
+            f"ns_split={value} runs the standard iteration in owner mode without NorMuon, but this "
+            f"group has {', '.join(clash)}; use ns_split='off' (or 'auto', which splits nothing there)"
+        )
+
+
+def ns_dtype_name(dtype: torch.dtype | str) -> str:
+    """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in _NS_DTYPES:
+        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32 but is: {dtype}")
+    return name
+
+
+def momentum_dtype_name(dtype: Any) -> str | None:
+    """``momentum_dtype`` as the name a param group stores: None (the parameter's dtype) or a
+    floating dtype's name from ``MOMENTUM_DTYPES``."""
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, (str, torch.dtype)) and name in MOMENTUM_DTYPES:
+        return name
+    raise ValueError(
+        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float16, "
+        f"torch.float32 or torch.float64 but is: {dtype!r}; pass one of them (torch.bfloat16 halves "
+        "the momentum of float32 parameters)"
+    )
+
+
+def _check_adjust_lr(fn: Any) -> None:
+    """A name from ``ADJUST_LR`` (torch's message for others), or a positive finite update RMS."""
+    if isinstance(fn, (int, float)) and not isinstance(fn, bool):
+        if not 0.0 < fn < math.inf:
+            raise ValueError(
+                f"adjust_lr_fn as a number is the update RMS to match and must be positive and "
+                f"finite, but is: {fn} (Moonshot's match of AdamW is 0.2)"
+            )
+    elif isinstance(fn, bool) or fn not in ADJUST_LR:
+        raise ValueError(
+            f"Adjust learning rate function {fn} is not supported: use None, 'original', "
+            "'match_rms_adamw', 'spectral' or a positive number (the update RMS to match)"
+        )
+
+
+def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
+    """torch.optim.Muon's argument checks, with its messages, and ours; returns the NS config."""
+    _check_lr(group["lr"])
+    if not group["momentum"] >= 0.0:
+        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    _check_finite("momentum", group["momentum"])
+    _check_finite("weight_decay", group["weight_decay"])
+    _check_muon_flags(group)
+    _check_adjust_lr(group["adjust_lr_fn"])
+    _check_normuon(group)
+    check_mode(group.get("mode", "owner"))
+    check_owners(group.get("owners", "auto"))
+    check_split(group)
+    momentum_dtype_name(group.get("momentum_dtype"))
+    dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
+    algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
+    return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
+
+
+def _check_muon_flags(group: Mapping[str, Any]) -> None:
+    """The bools and the round size of a Muon group (a group saved before a key existed lacks it)."""
+    _check_bool("nesterov", group["nesterov"])
+    for key in ("flatten", "experts"):
+        _check_bool(f"'{key}'", group.get(key, False))
+    check_round_bytes(group.get("max_round_bytes"))
+
+
+def _check_normuon(group: Mapping[str, Any]) -> None:
+    """NorMuon's group options: ``"normuon"`` a bool, ``"beta2"`` (its second moment's decay) in [0, 1)."""
+    normuon, beta2 = group.get("normuon", False), group.get("beta2", 0.95)
+    if not isinstance(normuon, bool):
+        raise ValueError(f"'normuon' should be True or False but is: {normuon!r}")
+    if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(
+            f"beta2 (NorMuon's second-moment decay) should be in [0, 1) but is: {beta2!r}; the "
+            "official default is 0.95"
+        )
+
+
+def check_group(group: Mapping[str, Any]) -> NSConfig | None:
+    """A group's hyperparameters (a user or scheduler may change them between steps); a Muon
+    group's Newton-Schulz config, None for AdamW."""
+    if group["algorithm"] == "adamw":
+        check_adamw_group(group)
+        return None
+    return check_muon_group(group)
+
+
+def check_adamw_group(group: Mapping[str, Any]) -> None:
+    """torch.optim.AdamW's argument checks, with its messages."""
+    _check_lr(group["lr"])
+    if not group["eps"] >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {group['eps']}")
+    beta1, beta2 = group["betas"]
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    _check_finite("weight_decay", group["weight_decay"])
+    _check_finite("eps", group["eps"])
+    if group.get("normuon", False):
+        raise ValueError("'normuon': True is an option of Muon groups; this group is an AdamW group")
+
+
+def check_adamw_momentum_dtype(group: Mapping[str, Any], index: int) -> None:
+    """An AdamW group's own ``"momentum_dtype"`` (not one inherited from the optimizer's default)
+    would promise moments it does not keep: they stay in the parameter's dtype."""
+    if group.get("algorithm") == "adamw" and group.get("momentum_dtype") is not None:
+        raise ValueError(
+            f"param group {index} is an AdamW group and sets 'momentum_dtype': "
+            f"{group['momentum_dtype']!r}, an option of Muon groups (AdamW keeps exp_avg and "
+            "exp_avg_sq in the parameter's dtype); remove the key from this group"
+        )
+
+
+def _as_triple(value: Sequence[float]) -> Triple:
+    if len(value) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = (float(v) for v in value)
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise ValueError(
+            f"ns_coefficients should be finite numbers but hold: {', '.join(map(str, (a, b, c)))}; "
+            "use finite (a, b, c) or a preset name"
+        )
+    return (a, b, c)
+
+
+def resolve_ns_config(
+    ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+    algorithm: str = "standard",
+) -> NSConfig:
+    """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
+
+    A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
+    ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
+    ``algorithm`` is the optimizer's ``ns_algorithm``, one of ``ALGORITHMS``.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"ns_algorithm should be 'standard' or 'gram' but is: {algorithm!r}; 'gram' evaluates the "
+            "same Newton-Schulz polynomial on the small Gram matrix"
+        )
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise ValueError(f"ns_steps should be an int (Newton-Schulz iterations, e.g. 5) but is: {ns_steps!r}")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0.0 <= eps < math.inf):
+        raise ValueError(
+            f"eps should be a finite number >= 0 but is: {eps!r}; it bounds the norm Newton-Schulz "
+            "divides by (default 1e-7)"
+        )
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps should be >= 0 but is: {ns_steps}")
+    ns_dtype_name(dtype)
+    norm_scale = 1.0
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients not in PRESETS:
+            raise ValueError(
+                f"Unknown ns_coefficients preset {ns_coefficients!r}; "
+                f"use one of {sorted(PRESETS)} or a tuple (a, b, c)"
+            )
+        steps, norm_scale = PRESETS[ns_coefficients]
+    elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
+        steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
+    else:
+        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[arg-type]
+        if not steps:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
+    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
+
+
+def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool) -> None:
+    if torch.is_complex(p):
+        raise RuntimeError(
+            f"Muon does not support complex parameters: '{name}' is {p.dtype}; "
+            "view it as real (torch.view_as_real) or keep it out of the optimizer"
+        )
+    if not muon or p.ndim == 2 or (flatten and p.ndim > 2) or (experts and p.ndim == 3):
+        return
+    raise ValueError(
+        f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
+        f"('{name}'). For a conv weight set \"flatten\": True in its param group; for stacked "
+        'expert weights [E, m, n] set "experts": True; otherwise put it in a group with '
+        '"algorithm": "adamw" (muon_dtensor.split_params does this for a model)'
+    )
+
+
+def _check_split_sizes(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
+    split_sizes, head_dim = group.get("split_sizes"), group.get("head_dim")
+    rows = p.shape[1] if group.get("experts", False) and p.ndim == 3 else p.shape[0]
+    if split_sizes and (sum(split_sizes) != rows or min(split_sizes) <= 0):
+        raise ValueError(
+            f"split_sizes {list(split_sizes)} of '{name}' must be positive and sum to its {rows} rows"
+        )
+    if head_dim is None:
+        return
+    blocks = list(split_sizes) if split_sizes else [rows]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim of '{name}' must be a positive int (rows per head) but is: {head_dim!r}")
+    if any(size % head_dim for size in blocks):
+        raise ValueError(
+            f"head_dim {head_dim} does not divide the row blocks {blocks} of '{name}'; give its "
+            "attention projections (rows = heads * head_dim) a param group of their own"
+        )
+
+
+def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Each parameter fits its group's algorithm. A group may mix meshes (and plain tensors): each
+    exchange group gets its own plan."""
+    muon = group["algorithm"] == "muon"
+    for p, name in zip(group["params"], names):
+        _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
+        if muon:
+            check_placements(p, name)
+            _check_split_sizes(p, name, group)
+            if group.get("normuon", False):
+                _check_normuon_param(p, name, group)
+    if muon and group.get("head_dim") and (suspects := not_heads(names)):
+        warnings.warn(
+            f"head_dim={group['head_dim']} is set on a group holding {suspects}, whose rows are not "
+            "attention heads (an output projection or MLP): each block of head_dim rows is "
+            "orthogonalized alone, which changes their update. Put only the q, k, v projections in "
+            "the head_dim group: split_params(model, head_dim=d) builds it",
+            stacklevel=4,
+        )
+
+
+def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
+    """NorMuon keeps one value per row of a 2-D matrix or an expert's: a flattened conv weight has
+    no such rows in the state's layout, and an interleaved last dimension has no single first column."""
+    if group.get("flatten", False) and p.ndim > 2 and not (group.get("experts", False) and p.ndim == 3):
+        raise ValueError(
+            f"parameter '{name}' of shape {tuple(p.shape)} would be flattened, which NorMuon does not support "
+            "(its second moment is one value per row of a 2-D or expert matrix); put it in a group "
+            "without 'normuon' or without 'flatten'"
+        )
+    placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+    if any(isinstance(q, _StridedShard) and q.dim == p.ndim - 1 for q in placements):
+        raise ValueError(
+            f"parameter '{name}' has placements {placements}: NorMuon needs its last dimension "
+            "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
+            "put the parameter in a group without 'normuon'"
+        )
+
+
+def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None:
+    """``Muon.add_param_group``'s local checks of group ``index`` (no collective): its flags, its
+    settings (dtype names stored as names) and its parameters."""
+    check_flags(group, index)
+    if check_group(group) is not None:
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
+        group["momentum_dtype"] = momentum_dtype_name(group["momentum_dtype"])
+    check_params(group, names)

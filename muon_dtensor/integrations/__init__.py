@@ -1,0 +1,2 @@
+"""Training stacks: the Hugging Face Trainer (``hf``). Lightning and torchtitan need no code here
+(docs/lightning.md, docs/torchtitan.md)."""

@@ -1,0 +1,2 @@
+"""The math: Newton-Schulz (standard, Gram, over column blocks), Muon's and AdamW's elementwise rules,
+NorMuon's row normalization. Pure and shard-agnostic: nothing here imports ``torch.distributed``."""

@@ -1,0 +1,124 @@
+"""A Muon param group's sharding, set up where the step starts: each parameter's layout and
+exchange group (``layout_of`` creates the groups, collectively), its matrix views, the owner meshes
+and splits that ``policy`` decides, and the domains built from them (``_sharding.domains``, pure).
+The step only reads these."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ..sharding.plan.domains import Domain, ViewOptions, build_domain, group_members
+from ..sharding.plan.param_layout import (
+    ParamLayout,
+    check_placements,
+    describe,
+    exchange_axes,
+    local_of,
+    replica_count,
+)
+from ..sharding.plan.views import View, holds_first_column, matrix_views
+from ..sharding.runtime.comm import sum_over_mesh
+from ..sharding.runtime.groups import exchange_group
+from .policy import SplitPolicy, owner_meshes
+
+__all__ = ["GroupSharding", "layout_of"]
+
+NO_SPLIT = SplitPolicy()
+
+
+def layout_of(
+    p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None, *, across: bool = False
+) -> ParamLayout:
+    """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
+    this for the same parameters in the same order). ``ddp_group`` serves plain tensors. ``across``:
+    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks."""
+    if not isinstance(p, DTensor):
+        return describe(p, name, ddp_group)
+    check_placements(p, name)
+    mesh = p.device_mesh
+    across = across and replica_count(p) > 1
+    axes = exchange_axes(p, name, across)
+    group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
+    return describe(p, name, group, across)
+
+
+class GroupSharding:
+    """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
+    that has gradients (cached: the routing depends only on the plan and the rank). ``owners``
+    (``"auto"``, ``"mesh"``, ``"replica"``) says where HSDP parameters find their owners
+    (``owners.across_replicas``; collective for ``"auto"``)."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        options: ViewOptions,
+        ddp_group: dist.ProcessGroup | None,
+        owners: str = "replica",
+        second_moments: Sequence[Tensor | None] = (),
+    ) -> None:
+        self.layouts: list[ParamLayout] = []
+        self.views: list[list[View]] = []
+        self.across = owner_meshes(params, owners, vars(options))
+        error: ValueError | None = None
+        for i, (p, name) in enumerate(zip(params, names)):
+            try:
+                across = isinstance(p, DTensor) and p.device_mesh in self.across
+                layout = layout_of(p, name, ddp_group, across=across)
+                views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
+                if options.lead and views:
+                    _check_second_moment(p, second_moments[i], layout, name)
+                self.layouts.append(layout)
+                self.views.append(views)
+            except ValueError as e:
+                error = error or e
+        _agree_on_error(error, params)
+        self._domains: dict[tuple, list[Domain]] = {}
+
+    def domains(
+        self, todo: Sequence[int], mode: str, max_round_bytes: int | None, policy: SplitPolicy = NO_SPLIT
+    ) -> list[Domain]:
+        key = (tuple(todo), mode, max_round_bytes, policy)
+        if key not in self._domains:
+            layouts = [self.layouts[i] for i in todo]
+            views = [self.views[i] for i in todo]
+            self._domains[key] = [
+                build_domain(members, layouts, ks, mode, max_round_bytes)
+                for members in group_members(layouts, views)
+                for ks in [policy.ks([v.shape for _, v in members], layouts[members[0][0]].group_size)]
+            ]
+        return self._domains[key]
+
+
+def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name: str) -> None:
+    """NorMuon's state must sit where the views put it: the parameter's local rows, one column on
+    the ranks that hold the parameter's column 0, none elsewhere (as ``state.init_state`` makes it)."""
+    holds = holds_first_column(layout.blocks[layout.rank])
+    want = (*local_of(p).shape[:-1], 1 if holds else 0)
+    got = tuple(local_of(v).shape) if v is not None else None
+    if got != want and (got is None or 0 not in got or 0 not in want):  # two empty pieces agree
+        raise ValueError(
+            f"parameter '{name}': its 'second_momentum_buffer' has local shape {got} on this rank, "
+            f"not {want} (a column laid out with the parameter's placements); let the optimizer "
+            "create it (remove it from the state) or load it from a checkpoint of this optimizer"
+        )
+
+
+def _agree_on_error(error: ValueError | None, params: Sequence[Tensor]) -> None:
+    """The one layout check that can differ between ranks (a local shape) is summed over each mesh,
+    so every rank raises together."""
+    meshes = {p.device_mesh: None for p in params if isinstance(p, DTensor)}
+    failed = sum(int(sum_over_mesh(torch.tensor([int(error is not None)]), m)) for m in meshes)
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"building the optimizer failed on {failed} other rank(s) for a parameter of this "
+            "group; their error names it (a local shard that does not match its placements)"
+        )

@@ -1,0 +1,223 @@
+"""``muon_dtensor.Muon``: torch.optim.Muon's contract on plain tensors and DTensors, plus AdamW groups."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from ..checks import validation
+from ..checks.names import param_names
+from ..checks.step_checks import StepChecks
+from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
+from ..numerics.normuon import DEFAULT_BETA2
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES
+from ..sharding.plan.domains import ViewOptions
+from ..sharding.plan.param_layout import local_grad, local_of
+from ..sharding.runtime.comm import CommStats, releasing_peers
+from . import report
+from .docstrings import MUON_ARGS
+from .functional import MuonHyper, Orthogonalize, muon_step
+from .group_sharding import GroupSharding
+from .policy import split_policy
+from .state import (
+    MOMENTUM,
+    SECOND_MOMENT,
+    Conversion,
+    adamw_group_step,
+    follow_replaced,
+    init_params,
+    init_state,
+    load_keeping,
+    row_states,
+)
+
+__all__ = ["ADAMW_DEFAULTS", "Muon"]
+
+# torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
+ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+# torch.optim.Muon's arguments, in its order; then ours.
+_TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
+_VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
+# NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
+_NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
+
+
+class Muon(Optimizer):
+    r"""Muon (momentum orthogonalized by Newton-Schulz) for plain tensors and DTensors.
+
+    The algorithm of torch.optim.Muon, per 2-D matrix :math:`\theta` with gradient :math:`g_t`::
+
+        B_t   = mu B_{t-1} + (1 - mu) g_t                     (momentum buffer, "momentum_buffer")
+        X_t   = (1 - mu) g_t + mu B_t  if nesterov else B_t
+        O_t   = NS_(a,b,c)^k(X_t / max(||X_t||_F, eps))     (k Newton-Schulz steps, once per matrix)
+        theta = theta (1 - lr wd) - AdjustLR(lr, global shape) O_t
+
+    On DTensors each full matrix is assembled on one owner rank, orthogonalized there and sent back
+    in pieces; the result equals the one-process step bit for bit. AdamW groups follow torch.optim.AdamW.
+    (Args: ``muon_dtensor.optim.docstrings.MUON_ARGS``, appended below.)
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: NSCoefficients = DEFAULT_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | float | None = None,
+        *,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        momentum_dtype: torch.dtype | str | None = None,
+        ns_algorithm: str = "standard",
+        mode: str = "owner",
+        process_group: ProcessGroup | None = None,
+        max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
+        owners: str = "auto",
+        ns_split: str | int = "off",
+        orthogonalize_fn: Orthogonalize = orthogonalize,
+    ) -> None:
+        values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+        defaults = dict(
+            zip(_TORCH_KEYS, values),
+            **_VIEW_DEFAULTS,
+            **_NORMUON_DEFAULTS,
+            ns_algorithm=ns_algorithm,
+            mode=mode,
+            max_round_bytes=max_round_bytes,
+            owners=owners,
+            ns_split=ns_split,
+            ns_dtype=validation.ns_dtype_name(ns_dtype),
+            momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
+        )
+        validation.check_muon_group(defaults)
+        validation.check_process_group(process_group)
+        self._process_group = process_group
+        self._orthogonalize = orthogonalize_fn
+        self._checks = StepChecks()
+        self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
+        self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
+        self.comm_stats = CommStats()
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        validation.check_adamw_momentum_dtype(param_group, len(self.param_groups))
+        if validation.check_algorithm(param_group) == "adamw":
+            param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
+        super().add_param_group(param_group)
+        group, index = self.param_groups[-1], len(self.param_groups) - 1
+        try:  # local checks only: collectives wait for the first step, once every rank agrees
+            validation.admit_group(group, index, param_names(group, index))
+        except Exception:
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            init_state(self.state, group, p)
+        self._params[index] = list(group["params"])
+
+    def state_dict(self) -> dict[str, Any]:
+        follow_replaced(self.state, self.param_groups, self._params)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, keeping each group's ``param_names`` and ``momentum_dtype`` (a run grouped
+        otherwise, e.g. pipeline stages merged, saved other names); a buffer saved in another dtype is
+        converted with a warning, missing state created (``state.load_keeping``, docs/api.md)."""
+        conversions = load_keeping(self, super().load_state_dict, state_dict)
+        _warn_converted(self.param_groups, conversions, "loaded")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        follow_replaced(self.state, self.param_groups, self._params)
+        self.comm_stats.begin_step()
+        configs, work = self._checks.run(self.param_groups, self._process_group)  # one sum per scope
+        with releasing_peers():  # a rank that raises from here on tells its peers to stop waiting
+            shardings = [
+                self._sharding(i, g) if c else None
+                for i, (g, c) in enumerate(zip(self.param_groups, configs))
+            ]
+            for index, (group, sharding, config, todo) in enumerate(
+                zip(self.param_groups, shardings, configs, work)
+            ):
+                _warn_converted(self.param_groups, init_params(self.state, group, index, todo), "found")
+                if sharding is None:
+                    adamw_group_step(self.state, group, [group["params"][i] for i in todo])
+                elif config is not None and todo:
+                    self._muon_step(group, sharding, todo, config)
+        report.log_once(self)
+        return loss
+
+    def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
+        """A Muon group's layouts, views and plans: built (collectively) on first use and again when
+        its parameters or view options change."""
+        owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
+        key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
+        if index not in self._shardings or self._shardings[index][0] != key:
+            seconds = row_states(self.state, group)  # NorMuon switched on later: its state first
+            sharding = GroupSharding(
+                group["params"], param_names(group, index), key[1], self._process_group, owners, seconds
+            )
+            self._shardings[index] = key, sharding
+        return self._shardings[index][1]
+
+    def _muon_step(
+        self, group: dict[str, Any], sharding: GroupSharding, todo: list[int], config: NSConfig
+    ) -> None:
+        params = [group["params"][i] for i in todo]
+        muon_step(
+            [local_of(p) for p in params],
+            [local_grad(p) for p in params],
+            [local_of(self.state[p][MOMENTUM]) for p in params],
+            sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group)),
+            MuonHyper.of(group),
+            config,
+            self.comm_stats,
+            second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
+            if group.get("normuon")
+            else None,
+            base=self._orthogonalize,
+        )
+
+    def memory(self) -> dict[str, int]:  # state bytes per kind, "peak_transient" of a step
+        return report.memory(self)
+
+    def metrics(self, qk_clip: Any = None) -> dict[str, float]:  # the last step's, this rank's
+        return report.metrics(self, qk_clip)
+
+    def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
+        return report.describe(self)
+
+
+def _warn_converted(groups: list[dict[str, Any]], conversions: list[Conversion], when: str) -> None:
+    """Say which momentum buffers were converted to their group's ``momentum_dtype``, and how to
+    keep them as they were."""
+    if not conversions:
+        return
+    shown = [
+        f"'{param_names(groups[g], g)[i]}' {str(old).removeprefix('torch.')} -> {str(new).removeprefix('torch.')}"
+        for g, i, old, new in conversions
+    ]
+    more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
+    _, _, saved, _ = conversions[0]
+    warnings.warn(
+        f"momentum buffers {when} in another dtype than their group's momentum_dtype were converted "
+        f"to it (a narrower dtype rounds each value once; a wider one is exact): {', '.join(shown[:8])}{more}. "
+        f"To keep them as they were, set momentum_dtype={saved} for their group",
+        stacklevel=3,
+    )
+
+
+assert Muon.__doc__ is not None
+Muon.__doc__ += MUON_ARGS

@@ -1,0 +1,195 @@
+"""What an optimizer holds and plans, for people: ``Muon.memory()`` (state bytes per kind and the
+predicted peak of a step's transients) and ``Muon.describe()`` (the coverage table, logged once on
+rank 0). Reads the optimizer's state and its groups' plans; the arithmetic is ``_sharding.memory``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..checks.names import param_names, refusal
+from ..features.qk_clip import QKClipFactors
+from ..sharding.plan.memory import group_peak
+from ..sharding.plan.param_layout import local_of
+from ..sharding.plan.views import whole_matrix
+from ..sharding.runtime.comm import CommStats
+from .group_sharding import GroupSharding
+from .policy import split_policy
+from .state import SECOND_MOMENT, momentum_dtype
+
+__all__ = ["KINDS", "describe", "log_once", "memory", "metrics", "state_bytes"]
+
+logger = logging.getLogger("muon_dtensor")
+
+
+class Muon(Protocol):
+    """What these reports read of ``optimizer.Muon`` (a protocol: the optimizer imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    comm_stats: CommStats
+    _shardings: dict[int, tuple[tuple, GroupSharding]]
+
+    def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding: ...
+
+
+# State key -> the kind ``Muon.memory`` reports it under.
+KINDS = {
+    "momentum_buffer": "momentum",
+    SECOND_MOMENT: "normuon_second_moment",
+    "exp_avg": "adamw_moments",
+    "exp_avg_sq": "adamw_moments",
+    "step": "adamw_steps",
+}
+
+
+def state_bytes(
+    state: Mapping[Tensor, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+) -> dict[str, int]:
+    """This rank's bytes of every state tensor (its local shard), summed per kind."""
+    out = dict.fromkeys(dict.fromkeys(KINDS.values()), 0)
+    for group in groups:
+        for p in group["params"]:
+            for key, value in state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    kind = KINDS.get(key, key)
+                    out[kind] = out.get(kind, 0) + local_of(value).numel() * value.element_size()
+    return out
+
+
+def memory(opt: Muon) -> dict[str, int]:
+    """``state_bytes`` and, under ``"peak_transient"``, the predicted peak of a step's transients
+    (every parameter with a gradient): the largest group's, since each group's die with it."""
+    peak = 0
+    for index, group in enumerate(opt.param_groups):
+        locals_ = [local_of(p) for p in group["params"]]
+        if group["algorithm"] == "adamw":  # adamw_update: two parameter-sized temporaries at once
+            peak = max([peak] + [2 * t.numel() * t.element_size() for t in locals_])
+        elif locals_:
+            peak = max(peak, _muon_peak(group, opt._sharding(index, group), locals_))
+    return state_bytes(opt.state, opt.param_groups) | {"peak_transient": peak}
+
+
+def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[Tensor]) -> int:
+    """One Muon group's peak (``_sharding.memory.group_peak``) over its plans for every parameter."""
+    dtype = group["ns_dtype"]
+    momentum = momentum_dtype(group, locals_[0])
+    todo = list(range(len(locals_)))
+    domains = sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group))
+    return group_peak(
+        [t.numel() for t in locals_],
+        [not whole_matrix(sharding.views[i], t.shape) for i, t in enumerate(locals_)],
+        [(d.plan, sharding.layouts[d.members[0][0]].rank, [pos for pos, _ in d.members]) for d in domains],
+        param_item=locals_[0].element_size(),
+        ns_item=(getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize,
+        nesterov=bool(group["nesterov"]),
+        cpu=locals_[0].device.type == "cpu",
+        normuon=bool(group.get("normuon")),
+        gram=group.get("ns_algorithm") == "gram",
+        momentum_item=0 if momentum == locals_[0].dtype else momentum.itemsize,
+    )
+
+
+def describe(opt: Muon, build: bool = True) -> str:
+    """The coverage table: per group its algorithm, options, parameters, elements, matrices and
+    owner balance; then the parameters Muon does not take and why. ``build=False`` reads only the
+    layouts already built (no collective)."""
+    lines = ["| group | algorithm | options | params | elements | matrices | owners (busiest / mean) |"]
+    lines.append("|---|---|---|---:|---:|---:|---|")
+    totals: Counter[str] = Counter()
+    refused = []
+    for index, group in enumerate(opt.param_groups):
+        algo, params = group["algorithm"], group["params"]
+        elements = sum(p.numel() for p in params)
+        totals[algo] += elements
+        matrices, balance = "-", "-"
+        if algo == "muon":
+            sharding = opt._sharding(index, group) if build else _built(opt, index)
+            matrices, balance = _balance(sharding)
+        else:
+            names = param_names(group, index)
+            refused += [
+                f"  {n} {tuple(p.shape)}: {refusal(n, tuple(p.shape))}" for n, p in zip(names, params)
+            ]
+        lines.append(
+            f"| {index} | {algo} | {_options(group)} | {len(params)} | {elements:,} | {matrices} | {balance} |"
+        )
+    share = ", ".join(f"{a}: {n:,} elements" for a, n in sorted(totals.items()))
+    out = [f"muon_dtensor.Muon: {len(opt.param_groups)} groups; {share}", *lines]
+    return "\n".join(out + (["not in Muon (AdamW) and why:", *refused] if refused else []))
+
+
+def _built(opt: Muon, index: int) -> GroupSharding | None:
+    entry = opt._shardings.get(index)
+    return entry[1] if entry is not None else None
+
+
+def _options(group: Mapping[str, Any]) -> str:
+    keys = ("head_dim", "experts", "split_sizes", "flatten", "normuon", "ns_split")
+    shown = [f"{k}={group[k]}" for k in keys if group.get(k) not in (None, False, "off")]
+    return ", ".join(shown) or "-"
+
+
+def _balance(sharding: GroupSharding | None) -> tuple[str, str]:
+    """Matrices, and per exchange group its ranks, busiest rank's Newton-Schulz flops over the mean
+    and matrices per rank (fewest to most)."""
+    if sharding is None:
+        return "-", "not planned yet (before the first step)"
+    domains = sharding.domains(list(range(len(sharding.layouts))), "owner", None)
+    parts = []
+    for d in domains:
+        owned = Counter(o for r in d.plan.rounds for o in r.owners)
+        counts = [owned.get(r, 0) for r in range(d.plan.group_size)]
+        parts.append(
+            f"{d.plan.group_size} ranks: {d.plan.imbalance:.3f}, {min(counts)}-{max(counts)} matrices per rank"
+        )
+    return str(sum(len(v) for v in sharding.views)), "; ".join(parts) or "-"
+
+
+def log_once(opt: Muon) -> None:
+    """``describe`` at INFO on rank 0, after the first step built the layouts (no collective)."""
+    if getattr(opt, "_described", False):
+        return
+    opt._described = True  # type: ignore[attr-defined]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("%s", describe(opt, build=False))
+
+
+def metrics(opt: Muon, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[str, float]:
+    """This rank's figures of the last step, flat, for a trainer's logger: the update's RMS over the
+    matrix elements this rank holds (adjusted lr times the orthogonalized update; weight decay not
+    included), bytes sent and received, collectives, matrices orthogonalized here and their host
+    seconds, and the matrices per algorithm. Reads one device scalar (a host sync, here only). With
+    ``qk_clip`` (what ``qk_clip_all_`` returned): the largest logit before and after clipping."""
+    stats = opt.comm_stats
+    now = (stats.sent, stats.received, stats.collectives, stats.orthogonalized)
+    sent, received, collectives, done = (a - b for a, b in zip(now, stats.base))
+    squares = float(stats.update_sq) if stats.update_sq is not None else 0.0
+    out = {
+        "muon/update_rms": math.sqrt(squares / stats.update_elements) if stats.update_elements else 0.0,
+        "muon/update_elements": float(stats.update_elements),
+        "muon/bytes_sent": float(sent),
+        "muon/bytes_received": float(received),
+        "muon/collectives": float(collectives),
+        "muon/orthogonalized": float(done),
+        "muon/ns_seconds": stats.ns_seconds,
+        "muon/matrices": float(sum(len(v) for _, s in opt._shardings.values() for v in s.views)),
+        "adamw/tensors": float(sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")),
+    }
+    if qk_clip:
+        out["qk_clip/max_logit"] = max(float(f.max_logits.max()) for f in qk_clip)
+        out["qk_clip/max_logit_after"] = max(float(_clipped(f).max()) for f in qk_clip)
+    return out
+
+
+def _clipped(factors: QKClipFactors) -> Tensor:
+    """Each query head's max logit after clipping: times its factor and its key head's."""
+    k = factors.k.repeat_interleave(factors.q.numel() // max(factors.k.numel(), 1))
+    return factors.max_logits.float().cpu() * (factors.q * k).float().cpu()

@@ -1,0 +1,188 @@
+"""The optimizer state's plumbing, outside the ``Muon`` shell: eager state, state that follows a
+parameter swapped for its DTensor, momentum buffers kept in the group's ``momentum_dtype``, and
+counters brought back to the host after a load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..sharding.plan.param_layout import local_grad, local_of, relayout, row_state_zeros
+from .functional import adamw_step
+
+__all__ = [
+    "MOMENTUM",
+    "SECOND_MOMENT",
+    "Conversion",
+    "adamw_group_step",
+    "follow_replaced",
+    "init_params",
+    "init_state",
+    "load_keeping",
+    "row_states",
+    "own_keys",
+    "momentum_dtype",
+    "put_momentum",
+    "restore_keys",
+    "settle_loaded",
+    "take_momentum",
+]
+
+MOMENTUM = "momentum_buffer"  # torch.optim.Muon's state key
+SECOND_MOMENT = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
+State = MutableMapping[Tensor, dict[str, Any]]
+Conversion = tuple[int, int, torch.dtype, torch.dtype]  # group, position in it, saved and new dtype
+
+
+def momentum_dtype(group: Mapping[str, Any], p: Tensor) -> torch.dtype:
+    """The dtype of ``p``'s momentum buffer: the group's ``momentum_dtype`` (a name, or a dtype set
+    on the group after construction), else ``p``'s."""
+    value = group.get("momentum_dtype")
+    if value is None or group["algorithm"] != "muon":
+        return p.dtype
+    return value if isinstance(value, torch.dtype) else getattr(torch, value)
+
+
+def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> torch.dtype | None:
+    """Create ``p``'s missing state eagerly, so every rank has the same keys even before the first
+    step and a checkpoint at step 0 (or of a parameter that never got a gradient) is complete. A
+    momentum buffer in another dtype than the group's ``momentum_dtype`` (the key was changed, or
+    a load brought another) is converted; returns its previous dtype then, else None."""
+    muon = group["algorithm"] == "muon"
+    mine = state[p]
+    if not muon and "step" not in mine:
+        mine["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for key in (MOMENTUM,) if muon else ("exp_avg", "exp_avg_sq"):
+        if key not in mine:
+            dtype = momentum_dtype(group, p) if muon else p.dtype
+            mine[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    if muon and group.get("normuon", False) and SECOND_MOMENT not in mine:
+        mine[SECOND_MOMENT] = row_state_zeros(p)  # one value per row, laid out with p
+    old = mine[MOMENTUM].dtype if muon else None
+    if old is not None and old != momentum_dtype(group, p):
+        mine[MOMENTUM] = mine[MOMENTUM].to(momentum_dtype(group, p))  # one rounding, or exact widening
+        return old
+    return None
+
+
+def init_params(
+    state: State, group: Mapping[str, Any], index: int, positions: Sequence[int]
+) -> list[Conversion]:
+    """``init_state`` for the parameters at ``positions`` of group ``index``; the momentum buffers
+    it converted."""
+    converted = []
+    for i in positions:
+        p = group["params"][i]
+        old = init_state(state, group, p)
+        if old is not None:
+            converted.append((index, i, old, state[p][MOMENTUM].dtype))
+    return converted
+
+
+def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dict[int, list[Tensor]]) -> None:
+    """Parameters replaced in place in ``groups`` (accelerate and HF Trainer swap in the DTensors
+    ``fully_shard`` made) take over their predecessors' state, laid out like them; ``seen`` holds
+    each group's parameters as last seen and is brought up to date."""
+    for index, group in enumerate(groups):
+        for old, new in zip(seen.get(index, []), group["params"]):
+            if old is not new and old in state and new not in state:
+                state[new] = {k: relayout(v, old, new) for k, v in state.pop(old).items()}
+        seen[index] = list(group["params"])
+
+
+KEPT_KEYS = ("param_names", "momentum_dtype")  # a load keeps this optimizer's, not the saved ones
+
+
+def row_states(state: State, group: Mapping[str, Any]) -> list[Tensor | None]:
+    """Each parameter's NorMuon second moment (None without), its state created first (a group that
+    switched NorMuon on after construction has none yet)."""
+    for p in group["params"]:
+        init_state(state, group, p)
+    return [state[p].get(SECOND_MOMENT) for p in group["params"]]
+
+
+def load_keeping(
+    opt: Any, load: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]
+) -> list[Conversion]:
+    """``Muon.load_state_dict``: torch's ``load`` of ``state_dict`` into ``opt`` keeping each
+    group's ``KEPT_KEYS`` and the momentum buffers' dtypes out of torch's cast; then the state the
+    checkpoint lacks, created. Returns the buffers converted to their group's ``momentum_dtype``."""
+    kept = own_keys(opt.param_groups)
+    without, buffers = take_momentum(state_dict)
+    load(without)
+    restore_keys(opt.param_groups, kept)
+    put_momentum(opt.state, state_dict["param_groups"], opt.param_groups, buffers)
+    return settle_loaded(opt.state, opt.param_groups)
+
+
+def own_keys(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's ``KEPT_KEYS``, before torch's load replaces them."""
+    return [{k: g.get(k) for k in KEPT_KEYS} for g in groups]
+
+
+def restore_keys(groups: Sequence[MutableMapping[str, Any]], kept: Sequence[Mapping[str, Any]]) -> None:
+    """Put back what ``own_keys`` read (a group without names stays without)."""
+    for group, own in zip(groups, kept):
+        for key, value in own.items():
+            if key == "param_names" and value is None:
+                group.pop(key, None)
+            else:
+                group[key] = value
+
+
+def take_momentum(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, Tensor]]:
+    """A state dict for torch's ``load_state_dict`` without momentum buffers, and the buffers by
+    saved parameter id: torch casts every floating state tensor to its parameter's dtype, which
+    would round a buffer kept wider than its parameter."""
+    states = {k: dict(v) if isinstance(v, Mapping) else v for k, v in state_dict["state"].items()}
+    buffers = {k: v.pop(MOMENTUM) for k, v in states.items() if isinstance(v, dict) and MOMENTUM in v}
+    return {**state_dict, "state": states}, buffers
+
+
+def put_momentum(
+    state: State,
+    saved_groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    buffers: dict,
+) -> None:
+    """After torch's load: the buffers ``take_momentum`` kept, on their parameter's device, each
+    parameter matched to its saved id by position (as torch matches them); dtypes stay as saved."""
+    ids = dict(
+        zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups)))
+    )
+    for key, buf in buffers.items():
+        p = ids.get(key)
+        if p is None:
+            state[key][MOMENTUM] = buf  # state of no parameter: kept as is, as torch keeps it
+        else:
+            state[p][MOMENTUM] = buf.to(device=p.device)
+
+
+def settle_loaded(state: State, groups: Sequence[Mapping[str, Any]]) -> list[Conversion]:
+    """After torch's ``load_state_dict``: state the checkpoint lacked created again, momentum
+    buffers converted to their group's ``momentum_dtype`` (returned: which, from and to what), and
+    AdamW's counters (saved on a device, perhaps) back on the host as float32."""
+    converted = []
+    for index, group in enumerate(groups):
+        converted += init_params(state, group, index, range(len(group["params"])))
+        for p in group["params"]:
+            if "step" in state[p]:
+                state[p]["step"] = state[p]["step"].detach().to("cpu", torch.float32)
+    return converted
+
+
+def adamw_group_step(state: State, group: Mapping[str, Any], params: Sequence[Tensor]) -> None:
+    """An AdamW group's step over ``params`` (those with a gradient), on their local shards."""
+    states = [state[p] for p in params]
+    adamw_step(
+        [local_of(p) for p in params],
+        [local_grad(p) for p in params],
+        [local_of(s["exp_avg"]) for s in states],
+        [local_of(s["exp_avg_sq"]) for s in states],
+        [s["step"] for s in states],
+        **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+    )

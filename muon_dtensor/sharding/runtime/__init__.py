@@ -1,0 +1,2 @@
+"""The runtime: every collective of a step (``comm``), every process group the package creates
+(``groups``), and the exchange that runs a plan (``exchange``, ``split_exchange``)."""

@@ -1,0 +1,345 @@
+"""The step's collectives: small integer sums and maxima for the checks and QK-Clip (on the host
+where the groups have a CPU backend), object gathers, and the all-to-all that carries matrix blocks
+to their owners and back. Blocks travel in the Newton-Schulz dtype (bfloat16 by default): the owner
+casts to it anyway, so sending it halves the bytes and changes no bit of the result. Process groups
+are created in ``groups.py``; the checkpoint's own collectives are in ``checkpoint/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..plan.compat import has_cpu_backend
+from ..plan.runs import segments
+
+__all__ = [
+    "CommStats",
+    "gather_objects",
+    "gather_over_scope",
+    "max_over_group",
+    "max_over_mesh",
+    "pack_chunks",
+    "rank_and_size",
+    "releasing_peers",
+    "start_all_to_all",
+    "start_exchange",
+    "sum_over_group",
+    "sum_over_mesh",
+    "sum_over_scopes",
+]
+
+
+class CommStats:
+    """Bytes this rank sent to and received from other ranks, collectives issued and matrices
+    this rank orthogonalized, for benchmarks and tests; ``sent_to`` splits ``sent`` by
+    destination (global rank), e.g. into bytes within and across HSDP replicas. Since the last
+    ``begin_step``: the update's sum of squares over this rank's pieces (a device scalar, read only
+    when asked: ``Muon.metrics``), their element count, and the host seconds of Newton-Schulz."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent = self.received = self.collectives = self.orthogonalized = 0
+        self.live_bytes = self.peak_bytes = 0
+        self.sent_to: dict[int, int] = {}
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        self.base = (self.sent, self.received, self.collectives, self.orthogonalized)
+        self.update_sq: Tensor | None = None
+        self.update_elements = 0
+        self.ns_seconds = 0.0
+
+    def hold(self, nbytes: int) -> None:
+        """Exchange buffers (sends, receives, assembled matrices) allocated; tracks the peak."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def __repr__(self) -> str:
+        """The figures, bytes as plain integers: ``CommStats(sent=..., received=..., ...)``."""
+        return (
+            f"CommStats(sent={self.sent}, received={self.received}, collectives={self.collectives}, "
+            f"orthogonalized={self.orthogonalized}, peak_bytes={self.peak_bytes})"
+        )
+
+
+def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Sum a CPU integer tensor over every rank of ``mesh``, one all-reduce per mesh axis.
+
+    Summing axis by axis reaches every rank of the mesh without creating a new process group, and
+    touches only ranks of this mesh, so a pipeline stage never waits on another stage.
+    """
+    return _sum_on_host(
+        counts, [mesh.get_group(a) for a in range(mesh.ndim) if mesh.size(a) > 1], mesh.device_type
+    )
+
+
+def sum_over_group(counts: Tensor, group: dist.ProcessGroup, device_type: str = "cpu") -> Tensor:
+    return _sum_on_host(counts, [group] if dist.get_world_size(group) > 1 else [], device_type)
+
+
+def _sum_on_host(counts: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str) -> Tensor:
+    """The preflight's and the agreement's sums: host-side facts, so they stay off the device
+    stream wherever the groups have a CPU backend (gloo, or "cuda:nccl,cpu:gloo" as torchtitan
+    initializes). A device-only group (plain "nccl") takes a device round trip: a host sync."""
+    if not all(has_cpu_backend(g) for g in groups):
+        _warn_device_round_trip()
+    return _reduce_on_host(counts, groups, device_type, dist.ReduceOp.SUM)
+
+
+def max_over_mesh(values: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Elementwise max of a float tensor over every rank of ``mesh``, one all-reduce per mesh axis
+    (QK-Clip's per-head max logits: every rank must scale by the same factors). Returns a CPU copy.
+    MAX is exact and order-free, so every rank holds the same bits."""
+    groups = [mesh.get_group(a) for a in range(mesh.ndim) if mesh.size(a) > 1]
+    return _reduce_on_host(values, groups, mesh.device_type, dist.ReduceOp.MAX)
+
+
+def max_over_group(values: Tensor, group: dist.ProcessGroup | None, device_type: str = "cpu") -> Tensor:
+    """``max_over_mesh`` over a process group (None: the default group)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    return _reduce_on_host(
+        values, [group] if dist.get_world_size(group) > 1 else [], device_type, dist.ReduceOp.MAX
+    )
+
+
+def _reduce_on_host(
+    values: Tensor, groups: Sequence[dist.ProcessGroup], device_type: str, op: dist.ReduceOp.RedOpType
+) -> Tensor:
+    """A CPU copy of ``values`` reduced with ``op`` over each group in turn: on the host where every
+    group has a CPU backend, else through the device. A copy either way: callers reduce the same
+    values over several scopes."""
+    target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
+    out = values.detach()
+    out = out.clone() if out.device.type == target else out.to(target)
+    for group in groups:
+        wait_released(dist.all_reduce(out, op=op, group=group, async_op=True), out.device)
+    return out if out.device.type == "cpu" else out.cpu()
+
+
+@functools.cache
+def _warn_device_round_trip() -> None:
+    warnings.warn(
+        "muon_dtensor: a process group of the optimizer's parameters has no CPU backend, so each "
+        "step's checks (a few integers per mesh axis) go through the device and wait for it; "
+        'init_process_group(backend="cuda:nccl,cpu:gloo") keeps them on the host',
+        stacklevel=4,
+    )
+
+
+# Where a rank that raised inside a step tells the others (the job's default store), and how often a
+# rank blocked in one of the step's host collectives looks there.
+FAILED_KEY = "muon_dtensor/step_failed"
+POLL = datetime.timedelta(seconds=0.5)
+
+
+@contextlib.contextmanager
+def releasing_peers() -> Iterator[None]:
+    """Around a step's data path: an exception leaving it is reported to every rank of the job, so
+    peers blocked in a collective that this rank will never join raise instead of waiting for the
+    process group's timeout (gloo has no abort that closes the connections of a live process)."""
+    try:
+        yield
+    except BaseException as e:
+        report_failure(e)
+        raise
+
+
+def _store() -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def report_failure(error: BaseException) -> None:
+    """Record the first failure in the job's store; best effort (the store may have died too)."""
+    try:
+        store = _store()
+        if store is not None and not store.check([FAILED_KEY]):
+            store.set(FAILED_KEY, f"rank {dist.get_rank()} raised {type(error).__name__}: {error}"[:2000])
+    except Exception:  # noqa: BLE001 - reporting must not hide the error being raised
+        pass
+
+
+def wait_released(work: Any, device: torch.device) -> None:
+    """``work.wait()``; for host collectives in slices of ``POLL``, between which a failure another
+    rank reported (``releasing_peers``) raises here. A device collective waits as before (under
+    NCCL, its watchdog bounds a wait). A failure of the collective itself is reported too."""
+    store = _store() if device.type == "cpu" else None
+    if store is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError:
+            if work.is_completed():  # failed, or done just after the slice ran out
+                _wait_reporting(work)
+                return
+        if store.check([FAILED_KEY]):
+            raise RuntimeError(
+                f"{store.get(FAILED_KEY).decode(errors='replace')} inside Muon.step; this rank was "
+                "waiting for it in a collective of the step and stops. The ranks' states now differ: "
+                "restart from the last complete checkpoint"
+            )
+
+
+def _wait_reporting(work: Any) -> None:
+    try:
+        work.wait()
+    except BaseException as e:
+        report_failure(e)
+        raise
+
+
+def sum_over_scopes(
+    counts: Tensor, scopes: Sequence[DeviceMesh | dist.ProcessGroup]
+) -> list[tuple[Tensor, int]]:
+    """``counts`` summed over each scope (a mesh or a process group), with the scope's rank count."""
+    out = []
+    for scope in scopes:
+        if isinstance(scope, DeviceMesh):
+            out.append((sum_over_mesh(counts, scope), scope.size()))
+        else:
+            out.append((sum_over_group(counts, scope), dist.get_world_size(scope)))
+    return out
+
+
+def gather_over_scope(value: Any, scope: DeviceMesh | dist.ProcessGroup) -> dict[int, Any]:
+    """Every rank's ``value`` that this rank can reach in ``scope``: over each axis of a mesh (no new
+    group needed), or over the group; keyed by global rank. Collective over the scope."""
+    groups = [scope.get_group(a) for a in range(scope.ndim)] if isinstance(scope, DeviceMesh) else [scope]
+    out: dict[int, Any] = {}
+    for group in groups:
+        out.update(zip(dist.get_process_group_ranks(group), gather_objects(value, group)))
+    return out
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index and the rank count of ``group`` (0 and 1 without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _solo(group: dist.ProcessGroup | None) -> bool:
+    return rank_and_size(group)[1] == 1
+
+
+def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value``, in group rank order, on every rank."""
+    if _solo(group):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def start_all_to_all(
+    chunks: Sequence[Sequence[Tensor]],
+    recv_numels: Sequence[int],
+    *,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    stats: CommStats | None = None,
+) -> Callable[[], list[Tensor]]:
+    """Start sending ``chunks[d]`` (flattened, concatenated) to group rank ``d``; the returned
+    function waits and returns what each rank sent here. Work overlaps until then.
+
+    ``recv_numels[s]`` is how many elements group rank ``s`` sends here; every rank knows it from
+    the plan, so no size exchange precedes the data.
+    """
+    send, send_numels = pack_chunks(chunks, dtype=dtype, device=device)
+    finish = start_exchange(send, send_numels, recv_numels, group=group, stats=stats)
+    return lambda: list(finish().split(list(recv_numels)))
+
+
+def pack_chunks(
+    chunks: Sequence[Sequence[Tensor]], *, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, list[int]]:
+    """``chunks[d]`` flattened and concatenated in rank order: the send buffer and its segments."""
+    send_numels = [sum(c.numel() for c in per_dest) for per_dest in chunks]
+    flat = [c for per_dest in chunks for c in per_dest]
+    if flat and all(c.dtype == dtype for c in flat):
+        return _cat_flat(flat, sum(send_numels)), send_numels
+    send = torch.empty(sum(send_numels), dtype=dtype, device=device)
+    offset = 0
+    for c in (c for per_dest in chunks for c in per_dest):
+        # One copy straight into the send buffer (casting, and gathering strided results).
+        send[offset : offset + c.numel()].view(c.shape).copy_(c)
+        offset += c.numel()
+    return send, send_numels
+
+
+def _cat_flat(pieces: Sequence[Tensor], total: int) -> Tensor:
+    """``pieces`` flattened and concatenated: each run of same-width 2-D pieces one row-wise ``cat``
+    (no op per piece), the others flattened one by one (``runs.segments``)."""
+    parts = segments([p.shape[1] if p.ndim == 2 else None for p in pieces])
+    if len(parts) == 1:
+        cols = parts[0][2]
+        if cols is not None:
+            return torch.cat(list(pieces)).view(-1)
+        return torch.cat([p.reshape(-1) for p in pieces])
+    send = pieces[0].new_empty(total)
+    offset = 0
+    for first, stop, cols in parts:
+        group = list(pieces[first:stop])
+        numel = sum(p.numel() for p in group)
+        dest = send[offset : offset + numel]
+        if cols is not None:
+            torch.cat(group, out=dest.view(sum(p.shape[0] for p in group), cols))
+        else:
+            torch.cat([p.reshape(-1) for p in group], out=dest)
+        offset += numel
+    return send
+
+
+def start_exchange(
+    send: Tensor,
+    send_numels: Sequence[int],
+    recv_numels: Sequence[int],
+    *,
+    group: dist.ProcessGroup,
+    stats: CommStats | None = None,
+) -> Callable[[], Tensor]:
+    """``start_all_to_all`` with the send buffer already packed: ``send_numels[d]`` elements of
+    ``send``, in rank order, go to group rank ``d``; the returned function waits and returns the
+    flat receive buffer (segments in rank order)."""
+    recv = send.new_empty(sum(recv_numels))
+    work = dist.all_to_all_single(
+        recv, send, list(recv_numels), list(send_numels), group=group, async_op=True
+    )
+    item = recv.element_size()
+    if stats is not None:
+        me = dist.get_rank(group)
+        stats.sent += (sum(send_numels) - send_numels[me]) * item
+        for dest, numel in zip(dist.get_process_group_ranks(group), send_numels):
+            if numel and dest != dist.get_rank():
+                stats.sent_to[dest] = stats.sent_to.get(dest, 0) + numel * item
+        stats.received += (sum(recv_numels) - recv_numels[me]) * item
+        stats.collectives += 1
+        stats.hold((send.numel() + recv.numel()) * item)
+
+    def finish() -> Tensor:
+        wait_released(work, recv.device)
+        if stats is not None:
+            stats.release(send.numel() * item)  # ``send`` dies here; ``recv`` lives on in views
+        return recv
+
+    return finish

@@ -1,0 +1,330 @@
+"""Does a loop resume exactly? A twin comparison a user runs on their own model and loop.
+
+``run_resume_check(build, train_step, steps=..., save_at=...)`` runs, each in fresh processes: the
+uninterrupted run to ``steps``; a run to ``save_at`` that saves a checkpoint (model, optimizer,
+scheduler, RNG) and exits; a resumed run on the resume world size that loads it and continues. It
+compares parameters after every step from ``save_at`` on, the optimizer state, the scheduler state
+and the RNG state at the end, under a named tolerance profile, and names a cause when the runs differ
+(docs/resume.md).
+
+``micro_batches_for`` and ``loss_scale`` are the micro-batch recipe that makes a loop's gradients the
+same bits on any power-of-two world size, so a resume on another world size can be bitwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from .testing import run_ranks
+
+__all__ = ["PROFILES", "loss_scale", "micro_batches_for", "run_resume_check"]
+
+PROFILES = ("bitwise", "first_step_float", "bf16_envelope")
+FLOAT32_ULP = 2.0**-23  # ulp(x) <= 2**-23 * |x| for a normal float32 x
+BF16_ULP = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding <= 2**-8
+ULPS_PER_STEP = 4  # first_step_float: a few float32 roundings of the parameter per resumed step
+
+Build = Callable[[int, int], tuple[nn.Module, Optimizer, Any]]
+TrainStep = Callable[[nn.Module, Optimizer, Any, int, int, int], Any]
+Tensors = dict[str, torch.Tensor]
+
+
+def micro_batches_for(rank: int, world: int, n_micro: int) -> range:
+    """The indices of the step's ``n_micro`` micro-batches that ``rank`` of ``world`` trains on."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank should be in [0, world) but rank is {rank} and world {world}")
+    if n_micro < 1 or n_micro % world:
+        raise ValueError(
+            f"n_micro should be a positive multiple of the world size {world} but is {n_micro}: "
+            "pick a count every world size you use divides (a power of two keeps the scaling exact)"
+        )
+    share = n_micro // world
+    return range(rank * share, (rank + 1) * share)
+
+
+def loss_scale(world: int, n_micro: int) -> float:
+    """Multiply each micro-batch's (mean) loss by this before ``backward``: FSDP2 divides by
+    ``world`` before it sums over ranks, so the gradient is the mean over the ``n_micro`` micro-batches."""
+    micro_batches_for(0, world, n_micro)
+    return world / n_micro
+
+
+def run_resume_check(
+    build: Build,
+    train_step: TrainStep,
+    *,
+    steps: int,
+    save_at: int,
+    world_sizes: tuple[int, int] = (2, 2),
+    profile: str = "bitwise",
+    report: str | Path | None = None,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Save at ``save_at`` on ``world_sizes[0]`` ranks, resume on ``world_sizes[1]``, compare with the
+    uninterrupted run to ``steps``; returns the report (also written as JSON to ``report``).
+
+    ``build(rank, world)`` returns ``(model, optimizer, scheduler or None)`` with the same seed every
+    call; ``train_step(model, optimizer, scheduler, step, rank, world)`` runs step ``step`` (from 1)
+    and must call ``optimizer.step()`` once. Both must be importable (module-level)."""
+    _check_inputs(build, train_step, steps, save_at, world_sizes, profile)
+    save_world, resume_world = world_sizes
+    with tempfile.TemporaryDirectory(prefix="resume_check_") as tmp:
+        straight = run_ranks(
+            _rank_run, save_world, build, train_step, None, None, save_at, steps, timeout=timeout
+        )
+        run_ranks(_rank_run, save_world, build, train_step, None, tmp, save_at, save_at, timeout=timeout)
+        resumed = run_ranks(
+            _rank_run, resume_world, build, train_step, tmp, None, save_at, steps, timeout=timeout
+        )
+    out = _compare(straight[0], resumed[0], profile=profile, world_sizes=world_sizes)
+    out.update(steps=steps, save_at=save_at)
+    if report is not None:
+        Path(report).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _check_inputs(
+    build: Any, train_step: Any, steps: int, save_at: int, world_sizes: Any, profile: str
+) -> None:
+    """Refuse bad arguments here, before any rank starts."""
+    for name, fn in (("build", build), ("train_step", train_step)):
+        if not callable(fn) or "<" in getattr(fn, "__qualname__", "<"):
+            raise TypeError(f"{name} should be a module-level function (ranks import it) but is {fn!r}")
+    if profile not in PROFILES:
+        raise ValueError(f"profile should be one of {', '.join(PROFILES)} but is {profile!r}")
+    if not (isinstance(save_at, int) and isinstance(steps, int) and 1 <= save_at < steps):
+        raise ValueError(
+            f"save_at and steps should be ints with 1 <= save_at < steps but are {save_at}, {steps}"
+        )
+    sizes = tuple(world_sizes) if isinstance(world_sizes, tuple | list) else ()
+    if len(sizes) != 2 or not all(isinstance(w, int) and w >= 1 for w in sizes):
+        raise ValueError(f"world_sizes should be two positive ints (save, resume) but is {world_sizes!r}")
+
+
+# --- on every rank ------------------------------------------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's full value (collective for a DTensor), detached, on the CPU."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def _params(model: nn.Module) -> Tensors:
+    return {name: _full(p) for name, p in model.named_parameters()}
+
+
+def _state(model: nn.Module, opt: Optimizer) -> Tensors:
+    """The optimizer state as full tensors by parameter name and key (rank 0 holds them)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optim: dict[str, Any] = dict(get_state_dict(model, opt, options=options)[1])
+    return {
+        f"{name}/{key}": torch.as_tensor(value).detach().clone()
+        for name, entry in optim.get("state", {}).items()
+        for key, value in entry.items()
+    }
+
+
+def _rng() -> list[str]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    return [base64.b64encode(s.numpy().tobytes()).decode() for s in states]
+
+
+def _set_rng(states: list[str]) -> None:
+    tensors = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in states]
+    torch.set_rng_state(tensors[0])
+    if torch.cuda.is_available() and len(tensors) > 1:
+        torch.cuda.set_rng_state(tensors[1])
+
+
+def _save(folder: str, step: int, model: nn.Module, opt: Optimizer, sched: Any) -> None:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, _rng())
+    extra = {"scheduler": sched.state_dict() if sched is not None else None, "rng": everyone}
+    save_checkpoint(folder, step, model, opt, extra=extra)
+
+
+def _load(folder: str, model: nn.Module, opt: Optimizer, sched: Any) -> int:
+    """Load the checkpoint; rank r continues saved rank r's RNG (rank 0's where the saving run had
+    fewer ranks: on another world size a per-rank stream has no exact continuation)."""
+    info = load_checkpoint(folder, model, opt)
+    if info is None:
+        raise RuntimeError(f"resume check: no checkpoint under {folder}")
+    if sched is not None:
+        sched.load_state_dict(info["scheduler"])
+    saved = info["rng"]
+    _set_rng(saved[dist.get_rank()] if dist.get_rank() < len(saved) else saved[0])
+    return int(info["step"])
+
+
+class _Grads:
+    """Full gradients and the largest learning rate just before ``optimizer.step()`` of each step."""
+
+    def __init__(self, model: nn.Module, opt: Optimizer, at: int) -> None:
+        self.model, self.at, self.step = model, at, 0
+        self.grads: Tensors = {}
+        self.lrs: dict[int, float] = {}
+        opt.register_step_pre_hook(self._hook)
+
+    def _hook(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        self.lrs.setdefault(self.step, max(float(g["lr"]) for g in opt.param_groups))
+        if self.step == self.at and not self.grads:
+            named = self.model.named_parameters()
+            self.grads = {n: _full(p.grad) for n, p in named if p.grad is not None}
+
+
+def _rank_run(
+    build: Build, train_step: TrainStep, load_from: str | None, save_to: str | None, save_at: int, last: int
+) -> dict[str, Any] | None:
+    """Train to ``last`` (from a checkpoint when ``load_from``); save at ``last`` when ``save_to``.
+    Rank 0 returns parameters from ``save_at`` on, first resumed gradients, final states."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, sched = build(rank, world)
+    first = _load(load_from, model, opt, sched) + 1 if load_from else 1
+    grads = _Grads(model, opt, save_at + 1)
+    params = {save_at: _params(model)} if load_from else {}
+    for step in range(first, last + 1):
+        grads.step = step
+        train_step(model, opt, sched, step, rank, world)
+        if step >= save_at:
+            params[step] = _params(model)
+    if save_to:
+        _save(save_to, last, model, opt, sched)
+        return None
+    state = _state(model, opt)
+    scheduler = sched.state_dict() if sched is not None else None
+    out = {"params": params, "grads": grads.grads, "lrs": grads.lrs, "state": state, "scheduler": scheduler}
+    return {**out, "rng": _rng()} if rank == 0 else None
+
+
+# --- judging (in the caller's process) ---------------------------------------------------------
+
+
+def _max_diff(a: Tensors, b: Tensors) -> tuple[float, str]:
+    """The largest |a - b| over every tensor, and its name (inf for a missing or reshaped one)."""
+    worst, where = 0.0, ""
+    for name in sorted(a.keys() | b.keys()):
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None or x.shape != y.shape:
+            return math.inf, name
+        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        if d > worst or not where:
+            worst, where = d, name
+    return worst, where
+
+
+def _tolerance(profile: str, ref: torch.Tensor, n: int, lr_sum: float, state: bool) -> float:
+    """How far a tensor ``n`` steps after the resume may be from the uninterrupted run's: a few
+    float32 roundings of its scale per step, or a bf16 rounding of each step's update (entries at
+    most ``lr``; optimizer state, which is no update, gets a bf16 rounding of its own scale)."""
+    if profile == "bitwise" or n == 0:
+        return 0.0
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    if profile == "first_step_float":
+        return ULPS_PER_STEP * FLOAT32_ULP * scale * n
+    return BF16_ULP * (scale * n if state else lr_sum)
+
+
+def _judge(
+    a: Tensors, b: Tensors, profile: str, n: int, lr_sum: float, state: bool = False
+) -> tuple[bool, float, str]:
+    """(every tensor within the profile, largest diff, its name)."""
+    ok = a.keys() == b.keys()
+    for name, x in a.items():
+        y = b.get(name)
+        if y is None or y.shape != x.shape:
+            return False, math.inf, name
+        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        ok = ok and d <= _tolerance(profile, x, n, lr_sum, state)
+    return (ok, *_max_diff(a, b))
+
+
+def _per_step(
+    straight: dict[str, Any], resumed: dict[str, Any], profile: str
+) -> tuple[dict[str, Any], float]:
+    """Each step's parameter verdict from the save on, and the summed learning rate since the save."""
+    save_at, lr_sum, per_step = min(straight["params"]), 0.0, {}
+    for step in sorted(straight["params"]):
+        lr_sum += straight["lrs"].get(step, 0.0) if step > save_at else 0.0
+        mine = resumed["params"].get(step, {})
+        ok, d, name = _judge(straight["params"][step], mine, profile, step - save_at, lr_sum)
+        per_step[str(step)] = {"max_diff": d, "tensor": name, "within": ok}
+    return per_step, lr_sum
+
+
+def _compare(
+    straight: dict[str, Any], resumed: dict[str, Any], *, profile: str, world_sizes: tuple[int, int]
+) -> dict[str, Any]:
+    """The report: per-step parameter differences, state differences, verdict and cause."""
+    save_at, last = min(straight["params"]), max(straight["params"])
+    per_step, lr_sum = _per_step(straight, resumed, profile)
+    first_diff = next((int(s) for s, v in per_step.items() if v["max_diff"] > 0), None)
+    first_fail = next((int(s) for s, v in per_step.items() if not v["within"]), None)
+    state = _judge(straight["state"], resumed["state"], profile, last - save_at, lr_sum, state=True)
+    grad_d, grad_name = _max_diff(straight["grads"], resumed["grads"])
+    out: dict[str, Any] = {
+        "profile": profile,
+        "world_sizes": list(world_sizes),
+        "per_step": per_step,
+        "first_difference_step": first_diff,
+        "first_failure_step": first_fail,
+        "optimizer_state": {"max_diff": state[1], "tensor": state[2], "within": state[0]},
+        "first_resumed_grads": {"step": save_at + 1, "max_diff": grad_d, "tensor": grad_name},
+        "scheduler_equal": straight["scheduler"] == resumed["scheduler"],
+        "rng_equal": straight["rng"] == resumed["rng"],
+    }
+    same = out["scheduler_equal"] and out["rng_equal"]
+    out["bitwise"] = first_diff is None and state[1] == 0 and same
+    out["passed"] = first_fail is None and state[0] and same
+    out["cause"] = None if out["bitwise"] else _cause(out, save_at)
+    return out
+
+
+def _cause(out: dict[str, Any], save_at: int) -> str:
+    """Why the resumed run differs, from the first place it does."""
+    before, after = out["world_sizes"]
+    changed = (
+        f"world size changed ({before} -> {after})" if before != after else f"same world size ({before})"
+    )
+    grads, per_step = out["first_resumed_grads"], out["per_step"]
+    if per_step[str(save_at)]["max_diff"] > 0:
+        return "the loaded parameters differ from the saved ones: the checkpoint did not restore the model"
+    if grads["max_diff"] > 0 and before != after:
+        return (
+            f"{changed} and gradients are not micro-batch invariant: the gradient sum order differs. The "
+            f"first resumed step's gradients differ (max |diff| {grads['max_diff']:.3g} in {grads['tensor']}) "
+            "before the optimizer runs. The micro-batch recipe (micro_batches_for, loss_scale, one micro-batch per "
+            "rank at the larger world size) makes them equal"
+        )
+    if grads["max_diff"] > 0:
+        return (
+            f"{changed}, yet the first resumed step's gradients differ (max |diff| {grads['max_diff']:.3g} in "
+            f"{grads['tensor']}): the data position, RNG or model state after loading is not the uninterrupted run's"
+        )
+    if per_step.get(str(save_at + 1), {}).get("max_diff", 0) > 0 or out["optimizer_state"]["max_diff"] > 0:
+        return (
+            f"{changed}; the first resumed step's gradients agree but the optimizer's result differs: its state "
+            "was not restored exactly, or its arithmetic depends on the world size (an option such as ns_split)"
+        )
+    if not out["rng_equal"]:
+        return (
+            "the RNG state at the end differs: the loop draws random numbers the checkpoint did not restore"
+        )
+    if not out["scheduler_equal"]:
+        return "the scheduler state at the end differs: it was not restored or not stepped the same way"
+    return f"{changed}; the runs first differ at step {out['first_difference_step']}, after the first resumed step"
