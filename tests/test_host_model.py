@@ -28,7 +28,7 @@ def model_count(opt: Muon, batched: bool) -> dict[str, int]:
         if group["algorithm"] != "muon":
             continue
         todo = list(range(len(group["params"])))
-        domains = opt._shardings[index][1].domains(todo, group["mode"], group["max_round_bytes"])
+        domains = opt._plans.entries[index].sharding.domains(todo, group["mode"], group["max_round_bytes"])
         for domain in domains:
             shape = StepShape(
                 muon_params=len(todo) if first else 0,

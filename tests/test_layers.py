@@ -133,7 +133,9 @@ def test_every_module_is_in_a_layer_folder() -> None:
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert not loose, f"modules outside the layer folders: {loose}"
     folders = {".".join(p.relative_to(PACKAGE).parts[:-1]) for p in PACKAGE.rglob("__init__.py")}
-    assert folders - {""} <= {*LAYERS, PLANNING, "sharding"}, sorted(folders - {*LAYERS, PLANNING, "sharding", ""})
+    assert folders - {""} <= {*LAYERS, PLANNING, "sharding"}, sorted(
+        folders - {*LAYERS, PLANNING, "sharding", ""}
+    )
 
 
 @pytest.mark.parametrize("layer", [*LAYERS, PLANNING])
@@ -146,6 +148,8 @@ def test_design_md_names_each_layer_folder_and_its_modules(layer: str) -> None:
     assert mine, f"docs/design.md's layer table has no row for **{folder}**"
     order = [r.split("**")[1] for r in rows]
     assert order == [f.replace(".", "/") + "/" for f in [*LAYERS, PLANNING]], order
-    modules = sorted(p.name for p in PACKAGE.joinpath(*layer.split(".")).glob("*.py") if p.name != "__init__.py")
+    modules = sorted(
+        p.name for p in PACKAGE.joinpath(*layer.split(".")).glob("*.py") if p.name != "__init__.py"
+    )
     missing = [m for m in modules if f"`{m}`" not in mine[0]]
     assert not missing, f"docs/design.md's row for {folder} does not name {missing}"

@@ -93,7 +93,7 @@ def _on_ranks(max_round_bytes: int | None) -> tuple[int, int, int]:
     fully_shard(model, mesh=mesh)
     opt, measured, predicted = _stepped(model, max_round_bytes=max_round_bytes)
     _check(opt, measured, predicted)
-    (domain,) = opt._shardings[0][1].domains(list(range(6)), "owner", max_round_bytes)
+    (domain,) = opt._plans.entries[0].sharding.domains(list(range(6)), "owner", max_round_bytes)
     return measured, predicted["peak_transient"], len(domain.plan.rounds)
 
 

@@ -132,7 +132,7 @@ def stage_owners(owners: str) -> dict[str, Any]:
     dist.all_reduce(everyone, group=dist.new_group(list(range(dist.get_world_size()))))
     return {
         "bad": differences(snapshot(model, opt), snapshot(ref, ref_opt)),
-        "across": bool(opt._shardings[0][1].across),
+        "across": bool(opt._plans.entries[0].sharding.across),
         "orthogonalized": opt.comm_stats.orthogonalized,
         "everyone": int(everyone),
     }

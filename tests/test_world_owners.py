@@ -6,7 +6,7 @@ per matrix among all R x S ranks; the owner reads the blocks of its own replica 
 of every replica its block of the result. Checked here: the layout against DTensor's chunking, the
 routes without processes up to 1,024 ranks (every block reaches its owner exactly once, every rank
 gets its block of every result exactly once), the bytes against the formula of
-``_sharding/traffic.py``, and on 4 gloo ranks (HSDP 2x2 and 3-D meshes) a step bitwise equal to one
+``planning/traffic.py``, and on 4 gloo ranks (HSDP 2x2 and 3-D meshes) a step bitwise equal to one
 process, each matrix orthogonalized once in the mesh, and measured bytes equal to the plan's.
 """
 
@@ -154,7 +154,7 @@ def test_routes_of_a_1024_rank_mesh_without_a_process() -> None:
 
 # ------------------------------------------------------------------------- pure: bytes and cost
 def _formula(plan: Plan, rank: int, itemsize: int) -> Traffic:
-    """The per-rank formula of ``_sharding/traffic.py``, written from the owners alone."""
+    """The per-rank formula of ``planning/traffic.py``, written from the owners alone."""
     sw = sa = rw = ra = 0
     owner = {m: o for rnd in plan.rounds for m, o in zip(rnd.members, rnd.owners)}
     for m, entry in enumerate(plan.entries):
@@ -291,7 +291,7 @@ def world_owner_steps() -> dict[str, Any]:
                 "sent": stats.sent // STEPS,
                 "within": sum(v for d, v in stats.sent_to.items() if replica_of[d] == me) // STEPS,
                 "across": sum(v for d, v in stats.sent_to.items() if replica_of[d] != me) // STEPS,
-                "mesh": bool(opt._shardings[0][1].across),
+                "mesh": bool(opt._plans.entries[0].sharding.across),
             }
     return out
 
@@ -378,7 +378,7 @@ def split_vote() -> tuple[bool, int]:
         _, _, opt = _run((2, 2), [(Replicate(), Shard(0))], owners="auto")
     finally:
         policy._mesh_pays = verdict
-    return bool(opt._shardings[0][1].across), opt.comm_stats.orthogonalized
+    return bool(opt._plans.entries[0].sharding.across), opt.comm_stats.orthogonalized
 
 
 def test_auto_takes_the_mesh_only_if_every_rank_votes_for_it() -> None:
@@ -410,7 +410,7 @@ def stage_meshes_auto() -> tuple[bool, int]:
     everyone = torch.ones(1)
     dist.all_reduce(everyone, group=dist.new_group(list(range(dist.get_world_size()))))
     assert int(everyone) == dist.get_world_size()
-    return bool(opt._shardings[0][1].across), opt.comm_stats.orthogonalized
+    return bool(opt._plans.entries[0].sharding.across), opt.comm_stats.orthogonalized
 
 
 def test_auto_takes_owners_over_a_stage_mesh_of_some_ranks() -> None:

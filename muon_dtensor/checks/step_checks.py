@@ -12,7 +12,8 @@ with the failing one learns of it too.
 
 What does not change between steady steps is cached by parameter identity: the hash of the
 parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
-changes lr) and builds the per-rank flags.
+changes lr) and builds the per-rank flags. Each new parameter set bumps ``generation``, which the
+optimizer's plan and state caches compare instead of building keys of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,8 +38,8 @@ __all__ = ["StepChecks"]
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """The cached, per-parameter-set part of the checks."""
+class _ParamSetCache:
+    """What the checks keep between steps while the parameter set is the same."""
 
     scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
     params: tuple[str, ...]  # per scope: a hash of its groups' (name, layout) rows and every parameter's
@@ -51,12 +52,42 @@ class _Layout:
     scoped: tuple[tuple[int, ...], ...]  # per scope: its parameters' indices
 
 
+class _Summed(NamedTuple):
+    """One scope's row of the all-reduce, summed over its ranks, read by name."""
+
+    ranks: int  # each rank adds 1
+    digest: list[int]  # the agreement's digest pieces
+    digest_squares: list[int]
+    failed: int  # ranks whose local checks failed, here or in an earlier scope
+    held: list[int]  # the gradient-presence digest pieces
+    held_squares: list[int]
+    bad: int  # sparse or mislaid gradients
+
+    @classmethod
+    def of(cls, row: Sequence[int]) -> _Summed:
+        return cls(row[0], list(row[1:4]), list(row[4:7]), row[7], list(row[8:11]), list(row[11:14]), row[14])
+
+    def disagree(self) -> bool:
+        """The ranks built the optimizer unlike each other (their settings' digests differ)."""
+        return _disagree(self.ranks, self.digest, self.digest_squares)
+
+    def held_unlike(self) -> bool:
+        """Some rank holds a gradient unlike another's, or a bad one: the per-parameter flags must travel."""
+        return bool(self.bad) or _disagree(self.ranks, self.held, self.held_squares)
+
+
 class StepChecks:
     """The agreement, the local checks and the preflight of ``Muon.step``, cached between steps."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._layout: _Layout | None = None
+        self._layout: _ParamSetCache | None = None
+        self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
+
+    def param_set(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> int:
+        """The generation of the current parameter set (local: no collective)."""
+        self._layout_of(groups, ddp_group)
+        return self.generation
 
     def run(
         self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None
@@ -73,16 +104,16 @@ class StepChecks:
         held = [_bits_pieces(bits, scoped) for scoped in layout.scoped]
         heads, ranks = _reduce(layout.scopes, digests, held, bad, error is not None)
         for k, head in enumerate(heads):
-            if _disagree(head[:7]):
+            if head.disagree():
                 _explain(groups, ddp_group, layout.scopes[k])
-        if error is not None or any(head[7] for head in heads):
+        if error is not None or any(head.failed for head in heads):
             _raise_together(error, heads)
-        slow = [k for k, head in enumerate(heads) if head[14] or _disagree([head[0], *head[8:14]])]
+        slow = [k for k, head in enumerate(heads) if head.held_unlike()]
         present = list(bits) if not (slow or bad) else _present_slow(layout, slow, ranks)
         it = iter(present)
         return configs, [[i for i in range(size) if next(it)] for size in layout.sizes]
 
-    def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+    def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _ParamSetCache:
         key = (
             id(ddp_group),
             tuple(
@@ -92,10 +123,11 @@ class StepChecks:
         if key != self._key or self._layout is None:
             self._layout = _build_layout(groups, ddp_group)
             self._key = key
+            self.generation += 1
         return self._layout
 
 
-def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layout:
+def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _ParamSetCache:
     per_scope = scope_entries(groups, ddp_group)
     everything = repr(all_params(groups))
     params = tuple(
@@ -111,7 +143,7 @@ def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Layou
         for g in groups
         for p in g["params"]
     ]
-    return _Layout(
+    return _ParamSetCache(
         tuple(per_scope),
         params,
         members,
@@ -148,10 +180,10 @@ def _reduce(
     held: Sequence[Sequence[int]],
     bad: int,
     failed: bool,
-) -> tuple[list[list[int]], list[int]]:
-    """Per scope, in order, ``[1, digest pieces, their squares, failures, gradient-presence digest
-    pieces, their squares, bad gradients]`` summed over the scope, and its rank count. A scope's
-    row carries the failures of the scopes before it."""
+) -> tuple[list[_Summed], list[int]]:
+    """Per scope, in order, its row (``_Summed``'s fields, one integer each or three digest pieces)
+    summed over the scope, and its rank count. A scope's row carries the failures of the scopes
+    before it."""
     heads, ranks = [], []
     known = int(failed)
     for scope, pieces, bits in zip(scopes, digests, held):
@@ -160,9 +192,9 @@ def _reduce(
             [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad], dtype=torch.int64
         )
         ((summed, size),) = sum_over_scopes(head, [scope])
-        heads.append(summed.tolist())
+        heads.append(_Summed.of(summed.tolist()))
         ranks.append(size)
-        known = max(known, int(heads[-1][7] > 0))
+        known = max(known, int(heads[-1].failed > 0))
     return heads, ranks
 
 
@@ -172,7 +204,7 @@ def _bits_pieces(bits: bytes, scoped: Sequence[int]) -> list[int]:
     return digest_pieces(bytes(bits[i] for i in scoped).hex())
 
 
-def _present_slow(layout: _Layout, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
+def _present_slow(layout: _ParamSetCache, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
     """Some scope's ranks hold gradients unlike each other, or a bad one: the full flags summed
     over those scopes (every rank of such a scope saw the same sums, so all of them reduce) to
     name the parameter. A scope whose ranks agree sums to its rank count times the local flags."""
@@ -186,24 +218,25 @@ def _present_slow(layout: _Layout, slow: Sequence[int], ranks: Sequence[int]) ->
     return _present(layout, flags, sums, ranks)
 
 
-def _disagree(row: Sequence[int]) -> bool:
-    """All ranks hold the same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces."""
-    n, sums, squares = row[0], row[1:4], row[4:7]
+def _disagree(n: int, sums: Sequence[int], squares: Sequence[int]) -> bool:
+    """All n ranks hold the same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces."""
     return any(n * sq != s * s for s, sq in zip(sums, squares))
 
 
-def _raise_together(error: Exception | None, heads: Sequence[Sequence[int]]) -> None:
+def _raise_together(error: Exception | None, heads: Sequence[_Summed]) -> None:
     """A local check failed on some rank: it raises its own error, the others say where to look."""
     if error is not None:
         raise error
-    ranks = max((head[7] for head in heads), default=1)
+    ranks = max((head.failed for head in heads), default=1)
     raise ValueError(
         f"the optimizer's settings failed a check on {ranks} other rank(s) of a mesh this rank shares "
         "(their error names the group and the value); fix the value there, or set it on every rank"
     )
 
 
-def _present(layout: _Layout, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]) -> list[bool]:
+def _present(
+    layout: _ParamSetCache, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]
+) -> list[bool]:
     """Which parameters have a gradient somewhere in their scope; raises (``preflight.raise_for``)
     for a sparse or mislaid gradient, or one present on some ranks of a scope only. A parameter no
     collective involves still must not fail on one rank alone: its sparse and mislaid counts are

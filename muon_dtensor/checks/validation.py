@@ -7,23 +7,21 @@ same check.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from ..numerics.elementwise import ADJUST_LR
 from ..numerics.newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
 from ..sharding.plan.build import MODES, check_mode
-from ..sharding.plan.compat import _StridedShard
-from ..sharding.plan.param_layout import check_placements
-from .names import not_heads
+from .param_checks import check_params
 
 __all__ = [
+    "NSSplit",
+    "Owners",
     "MODES",
     "OWNERS",
     "admit_group",
@@ -43,7 +41,10 @@ __all__ = [
     "resolve_ns_config",
 ]
 
-OWNERS = ("auto", "mesh", "replica")
+# Where HSDP parameters find their owners (``optim/policy.py``).
+Owners = Literal["auto", "mesh", "replica"]
+OWNERS: tuple[str, ...] = get_args(Owners)
+NSSplit = Literal["off", "auto"] | int
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MOMENTUM_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -122,8 +123,8 @@ def check_owners(owners: Any) -> None:
 
 
 def check_split(group: Mapping[str, Any]) -> None:
-    """``ns_split``: "off", "auto" or a rank count k >= 2; k only where splits run (``_sharding/
-    splits.py``): the standard iteration, no NorMuon, owner mode."""
+    """``ns_split``: "off", "auto" or a rank count k >= 2; k only where splits run (``optim/
+    policy.py``): the standard iteration, no NorMuon, owner mode."""
     value = group.get("ns_split", "off")
     if value in ("off", "auto") and isinstance(value, str):
         return
@@ -319,80 +320,6 @@ def resolve_ns_config(
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
     per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
     return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
-
-
-def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool) -> None:
-    if torch.is_complex(p):
-        raise RuntimeError(
-            f"Muon does not support complex parameters: '{name}' is {p.dtype}; "
-            "view it as real (torch.view_as_real) or keep it out of the optimizer"
-        )
-    if not muon or p.ndim == 2 or (flatten and p.ndim > 2) or (experts and p.ndim == 3):
-        return
-    raise ValueError(
-        f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
-        f"('{name}'). For a conv weight set \"flatten\": True in its param group; for stacked "
-        'expert weights [E, m, n] set "experts": True; otherwise put it in a group with '
-        '"algorithm": "adamw" (muon_dtensor.split_params does this for a model)'
-    )
-
-
-def _check_split_sizes(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
-    split_sizes, head_dim = group.get("split_sizes"), group.get("head_dim")
-    rows = p.shape[1] if group.get("experts", False) and p.ndim == 3 else p.shape[0]
-    if split_sizes and (sum(split_sizes) != rows or min(split_sizes) <= 0):
-        raise ValueError(
-            f"split_sizes {list(split_sizes)} of '{name}' must be positive and sum to its {rows} rows"
-        )
-    if head_dim is None:
-        return
-    blocks = list(split_sizes) if split_sizes else [rows]
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-        raise ValueError(f"head_dim of '{name}' must be a positive int (rows per head) but is: {head_dim!r}")
-    if any(size % head_dim for size in blocks):
-        raise ValueError(
-            f"head_dim {head_dim} does not divide the row blocks {blocks} of '{name}'; give its "
-            "attention projections (rows = heads * head_dim) a param group of their own"
-        )
-
-
-def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Each parameter fits its group's algorithm. A group may mix meshes (and plain tensors): each
-    exchange group gets its own plan."""
-    muon = group["algorithm"] == "muon"
-    for p, name in zip(group["params"], names):
-        _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
-        if muon:
-            check_placements(p, name)
-            _check_split_sizes(p, name, group)
-            if group.get("normuon", False):
-                _check_normuon_param(p, name, group)
-    if muon and group.get("head_dim") and (suspects := not_heads(names)):
-        warnings.warn(
-            f"head_dim={group['head_dim']} is set on a group holding {suspects}, whose rows are not "
-            "attention heads (an output projection or MLP): each block of head_dim rows is "
-            "orthogonalized alone, which changes their update. Put only the q, k, v projections in "
-            "the head_dim group: split_params(model, head_dim=d) builds it",
-            stacklevel=4,
-        )
-
-
-def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None:
-    """NorMuon keeps one value per row of a 2-D matrix or an expert's: a flattened conv weight has
-    no such rows in the state's layout, and an interleaved last dimension has no single first column."""
-    if group.get("flatten", False) and p.ndim > 2 and not (group.get("experts", False) and p.ndim == 3):
-        raise ValueError(
-            f"parameter '{name}' of shape {tuple(p.shape)} would be flattened, which NorMuon does not support "
-            "(its second moment is one value per row of a 2-D or expert matrix); put it in a group "
-            "without 'normuon' or without 'flatten'"
-        )
-    placements = tuple(p.placements) if isinstance(p, DTensor) else ()
-    if any(isinstance(q, _StridedShard) and q.dim == p.ndim - 1 for q in placements):
-        raise ValueError(
-            f"parameter '{name}' has placements {placements}: NorMuon needs its last dimension "
-            "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
-            "put the parameter in a group without 'normuon'"
-        )
 
 
 def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None:

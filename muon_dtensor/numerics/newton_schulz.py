@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "NSAlgorithm",
     "ALGORITHMS",
     "BAND_INPUT_FLOOR",
     "BATCH_ENV",
@@ -103,7 +105,8 @@ PRESET_BANDS: dict[str, tuple[float, float]] = {
 # polynomial on the small Gram matrix (Gram Newton-Schulz, Zhang, Amsel, Chen, Dao 2026,
 # https://github.com/Dao-AILab/gram-newton-schulz/blob/main/gram_newton_schulz/gram_newton_schulz.py,
 # which runs it in float16 with one restart; microsoft/dion uses that package).
-ALGORITHMS = ("standard", "gram")
+NSAlgorithm = Literal["standard", "gram"]
+ALGORITHMS: tuple[str, ...] = get_args(NSAlgorithm)
 # Rounding gives the Gram matrix R of an ill-conditioned input eigenvalues slightly below zero, and
 # each update R <- P R P multiplies them by about a^2 (P = a I + b R + c R^2 near a small eigenvalue):
 # the output leaves its band (in bfloat16, largest singular values of 1.4 with one restart, 1e6 to

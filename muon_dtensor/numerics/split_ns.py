@@ -15,7 +15,7 @@ partial Gram matrices (``reduce_rows``: a reduce-scatter), every rank of the mat
 split too, and each rank computes ``4 m^2 n / k + 2 m^3 / k`` flops per iteration (``split_flops``).
 
 The sums run in block order, in the same way in one process (``LocalGang``) as over ranks
-(``_sharding/comm.GangComm``), so a sharded split equals ``split_orthogonalize`` bitwise. Against
+(``sharding/runtime/split_exchange.GangComm``), so a sharded split equals ``split_orthogonalize`` bitwise. Against
 the unsplit ``newton_schulz`` only the summation order and the blocking of the products differ:
 equal within the rounding of ``config.dtype``, not bitwise. This is the one place where a sharded
 result may differ from one process (docs/design.md, "Split Newton-Schulz"; tolerances measured in

@@ -37,12 +37,20 @@ from ..numerics.elementwise import (
 from ..numerics.newton_schulz import NSConfig, orthogonalize
 from ..numerics.normuon import DEFAULT_BETA2, normuon_orthogonalize, pack, unpack
 from ..sharding.plan.domains import Domain
+from ..sharding.plan.param_layout import local_grad, local_of
 from ..sharding.plan.views import View, whole_matrix
 from ..sharding.runtime.comm import CommStats
 from ..sharding.runtime.exchange import Finalize, run_plan
 from ..sharding.runtime.split_exchange import split_compute
 
-__all__ = ["Orthogonalize", "MuonHyper", "adamw_step", "muon_step", "resolve_orthogonalize"]
+__all__ = [
+    "Orthogonalize",
+    "MuonHyper",
+    "adamw_group_step",
+    "adamw_step",
+    "muon_step",
+    "resolve_orthogonalize",
+]
 
 # Same-shape full matrices and the group's config -> their results: the one signature every way to
 # orthogonalize takes (``newton_schulz.orthogonalize``, Gram through ``config.algorithm``, a
@@ -256,3 +264,18 @@ def adamw_step(
             adamw_update(
                 p, g, m, v, step=count, lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay
             )
+
+
+def adamw_group_step(
+    state: Mapping[Tensor, dict[str, Any]], group: Mapping[str, Any], params: Sequence[Tensor]
+) -> None:
+    """An AdamW group's step over ``params`` (those with a gradient), on their local shards."""
+    states = [state[p] for p in params]
+    adamw_step(
+        [local_of(p) for p in params],
+        [local_grad(p) for p in params],
+        [local_of(s["exp_avg"]) for s in states],
+        [local_of(s["exp_avg_sq"]) for s in states],
+        [s["step"] for s in states],
+        **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+    )

@@ -1,6 +1,6 @@
 """A Muon param group's sharding, set up where the step starts: each parameter's layout and
 exchange group (``layout_of`` creates the groups, collectively), its matrix views, the owner meshes
-and splits that ``policy`` decides, and the domains built from them (``_sharding.domains``, pure).
+and splits that ``policy`` decides, and the domains built from them (``sharding.plan.domains``, pure).
 The step only reads these."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def layout_of(
 
 class GroupSharding:
     """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
-    that has gradients (cached: the routing depends only on the plan and the rank). ``owners``
+    that has gradients (built per step's parameter set; ``optim/plan_cache.py`` keeps them). ``owners``
     (``"auto"``, ``"mesh"``, ``"replica"``) says where HSDP parameters find their owners
-    (``owners.across_replicas``; collective for ``"auto"``)."""
+    (``policy.owner_meshes``; collective for ``"auto"``)."""
 
     def __init__(
         self,
@@ -79,21 +79,18 @@ class GroupSharding:
             except ValueError as e:
                 error = error or e
         _agree_on_error(error, params)
-        self._domains: dict[tuple, list[Domain]] = {}
 
     def domains(
         self, todo: Sequence[int], mode: str, max_round_bytes: int | None, policy: SplitPolicy = NO_SPLIT
     ) -> list[Domain]:
-        key = (tuple(todo), mode, max_round_bytes, policy)
-        if key not in self._domains:
-            layouts = [self.layouts[i] for i in todo]
-            views = [self.views[i] for i in todo]
-            self._domains[key] = [
-                build_domain(members, layouts, ks, mode, max_round_bytes)
-                for members in group_members(layouts, views)
-                for ks in [policy.ks([v.shape for _, v in members], layouts[members[0][0]].group_size)]
-            ]
-        return self._domains[key]
+        """The domains of the parameters at ``todo`` (``optim/plan_cache.py`` keeps them)."""
+        layouts = [self.layouts[i] for i in todo]
+        views = [self.views[i] for i in todo]
+        return [
+            build_domain(members, layouts, ks, mode, max_round_bytes)
+            for members in group_members(layouts, views)
+            for ks in [policy.ks([v.shape for _, v in members], layouts[members[0][0]].group_size)]
+        ]
 
 
 def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name: str) -> None:

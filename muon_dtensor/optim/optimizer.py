@@ -14,24 +14,30 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from ..checks import validation
 from ..checks.names import param_names
 from ..checks.step_checks import StepChecks
-from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSCoefficients, NSConfig, orthogonalize
+from ..checks.validation import NSSplit, Owners
+from ..numerics.newton_schulz import (
+    DEFAULT_COEFFICIENTS,
+    NSAlgorithm,
+    NSCoefficients,
+    NSConfig,
+    orthogonalize,
+)
 from ..numerics.normuon import DEFAULT_BETA2
-from ..sharding.plan.build import DEFAULT_ROUND_BYTES
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode
 from ..sharding.plan.domains import ViewOptions
 from ..sharding.plan.param_layout import local_grad, local_of
 from ..sharding.runtime.comm import CommStats, releasing_peers
 from . import report
 from .docstrings import MUON_ARGS
-from .functional import MuonHyper, Orthogonalize, muon_step
+from .functional import MuonHyper, Orthogonalize, adamw_group_step, muon_step
 from .group_sharding import GroupSharding
-from .policy import split_policy
+from .plan_cache import PlanCache
 from .state import (
     MOMENTUM,
     SECOND_MOMENT,
     Conversion,
-    adamw_group_step,
+    StateWalks,
     follow_replaced,
-    init_params,
     init_state,
     load_keeping,
     row_states,
@@ -77,12 +83,12 @@ class Muon(Optimizer):
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
         momentum_dtype: torch.dtype | str | None = None,
-        ns_algorithm: str = "standard",
-        mode: str = "owner",
+        ns_algorithm: NSAlgorithm = "standard",
+        mode: Mode = "owner",
         process_group: ProcessGroup | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
-        owners: str = "auto",
-        ns_split: str | int = "off",
+        owners: Owners = "auto",
+        ns_split: NSSplit = "off",
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
@@ -103,7 +109,8 @@ class Muon(Optimizer):
         self._process_group = process_group
         self._orthogonalize = orthogonalize_fn
         self._checks = StepChecks()
-        self._shardings: dict[int, tuple[tuple, GroupSharding]] = {}
+        self._plans = PlanCache()
+        self._walks = StateWalks()
         self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
         self.comm_stats = CommStats()
         super().__init__(params, defaults)
@@ -132,6 +139,7 @@ class Muon(Optimizer):
         otherwise, e.g. pipeline stages merged, saved other names); a buffer saved in another dtype is
         converted with a warning, missing state created (``state.load_keeping``, docs/api.md)."""
         conversions = load_keeping(self, super().load_state_dict, state_dict)
+        self._walks.invalidate()
         _warn_converted(self.param_groups, conversions, "loaded")
 
     @torch.no_grad()
@@ -140,47 +148,43 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        follow_replaced(self.state, self.param_groups, self._params)
         self.comm_stats.begin_step()
         configs, work = self._checks.run(self.param_groups, self._process_group)  # one sum per scope
+        generation = self._checks.generation
+        found = self._walks.run(self.state, self.param_groups, self._params, generation)
+        _warn_converted(self.param_groups, found, "found")
         with releasing_peers():  # a rank that raises from here on tells its peers to stop waiting
-            shardings = [
-                self._sharding(i, g) if c else None
-                for i, (g, c) in enumerate(zip(self.param_groups, configs))
-            ]
-            for index, (group, sharding, config, todo) in enumerate(
-                zip(self.param_groups, shardings, configs, work)
-            ):
-                _warn_converted(self.param_groups, init_params(self.state, group, index, todo), "found")
-                if sharding is None:
+            for i, g in enumerate(self.param_groups):
+                if configs[i] is not None:
+                    self._sharding(i, g, generation)
+            for index, (group, config, todo) in enumerate(zip(self.param_groups, configs, work)):
+                if config is None:
                     adamw_group_step(self.state, group, [group["params"][i] for i in todo])
-                elif config is not None and todo:
-                    self._muon_step(group, sharding, todo, config)
+                elif todo:
+                    self._muon_step(index, group, todo, config)
         report.log_once(self)
         return loss
 
-    def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding:
-        """A Muon group's layouts, views and plans: built (collectively) on first use and again when
-        its parameters or view options change."""
-        owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
-        key = (tuple(map(id, group["params"])), ViewOptions.of(group), owners)
-        if index not in self._shardings or self._shardings[index][0] != key:
-            seconds = row_states(self.state, group)  # NorMuon switched on later: its state first
-            sharding = GroupSharding(
-                group["params"], param_names(group, index), key[1], self._process_group, owners, seconds
-            )
-            self._shardings[index] = key, sharding
-        return self._shardings[index][1]
+    def _sharding(self, index: int, group: dict[str, Any], generation: int | None = None) -> GroupSharding:
+        """A Muon group's layouts, views and plans (``optim/plan_cache.py``): built (collectively) on
+        first use and again when its parameters or plan settings change."""
+        if generation is None:  # outside a step (describe, memory): the parameter set, locally
+            generation = self._checks.param_set(self.param_groups, self._process_group)
 
-    def _muon_step(
-        self, group: dict[str, Any], sharding: GroupSharding, todo: list[int], config: NSConfig
-    ) -> None:
+        def build(options: ViewOptions, owners: str) -> GroupSharding:
+            seconds = row_states(self.state, group)  # NorMuon switched on later: its state first
+            names = param_names(group, index)
+            return GroupSharding(group["params"], names, options, self._process_group, owners, seconds)
+
+        return self._plans.sharding(index, group, generation, build)
+
+    def _muon_step(self, index: int, group: dict[str, Any], todo: list[int], config: NSConfig) -> None:
         params = [group["params"][i] for i in todo]
         muon_step(
             [local_of(p) for p in params],
             [local_grad(p) for p in params],
             [local_of(self.state[p][MOMENTUM]) for p in params],
-            sharding.domains(todo, group["mode"], group["max_round_bytes"], split_policy(group)),
+            self._plans.domains(index, group, todo),
             MuonHyper.of(group),
             config,
             self.comm_stats,

@@ -1,6 +1,6 @@
 """What an optimizer holds and plans, for people: ``Muon.memory()`` (state bytes per kind and the
 predicted peak of a step's transients) and ``Muon.describe()`` (the coverage table, logged once on
-rank 0). Reads the optimizer's state and its groups' plans; the arithmetic is ``_sharding.memory``."""
+rank 0). Reads the optimizer's state and its groups' plans; the arithmetic is ``sharding.plan.memory``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ..sharding.plan.param_layout import local_of
 from ..sharding.plan.views import whole_matrix
 from ..sharding.runtime.comm import CommStats
 from .group_sharding import GroupSharding
+from .plan_cache import PlanCache
 from .policy import split_policy
 from .state import SECOND_MOMENT, momentum_dtype
 
@@ -29,13 +30,13 @@ __all__ = ["KINDS", "describe", "log_once", "memory", "metrics", "state_bytes"]
 logger = logging.getLogger("muon_dtensor")
 
 
-class Muon(Protocol):
-    """What these reports read of ``optimizer.Muon`` (a protocol: the optimizer imports this module)."""
+class OptimizerView(Protocol):
+    """What these reports read of ``optim.optimizer.Muon`` (a protocol: the optimizer imports this module)."""
 
     param_groups: list[dict[str, Any]]
     state: Any
     comm_stats: CommStats
-    _shardings: dict[int, tuple[tuple, GroupSharding]]
+    _plans: PlanCache
 
     def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding: ...
 
@@ -64,7 +65,7 @@ def state_bytes(
     return out
 
 
-def memory(opt: Muon) -> dict[str, int]:
+def memory(opt: OptimizerView) -> dict[str, int]:
     """``state_bytes`` and, under ``"peak_transient"``, the predicted peak of a step's transients
     (every parameter with a gradient): the largest group's, since each group's die with it."""
     peak = 0
@@ -78,7 +79,7 @@ def memory(opt: Muon) -> dict[str, int]:
 
 
 def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[Tensor]) -> int:
-    """One Muon group's peak (``_sharding.memory.group_peak``) over its plans for every parameter."""
+    """One Muon group's peak (``sharding.plan.memory.group_peak``) over its plans for every parameter."""
     dtype = group["ns_dtype"]
     momentum = momentum_dtype(group, locals_[0])
     todo = list(range(len(locals_)))
@@ -97,7 +98,7 @@ def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[
     )
 
 
-def describe(opt: Muon, build: bool = True) -> str:
+def describe(opt: OptimizerView, build: bool = True) -> str:
     """The coverage table: per group its algorithm, options, parameters, elements, matrices and
     owner balance; then the parameters Muon does not take and why. ``build=False`` reads only the
     layouts already built (no collective)."""
@@ -126,9 +127,8 @@ def describe(opt: Muon, build: bool = True) -> str:
     return "\n".join(out + (["not in Muon (AdamW) and why:", *refused] if refused else []))
 
 
-def _built(opt: Muon, index: int) -> GroupSharding | None:
-    entry = opt._shardings.get(index)
-    return entry[1] if entry is not None else None
+def _built(opt: OptimizerView, index: int) -> GroupSharding | None:
+    return opt._plans.built(index)
 
 
 def _options(group: Mapping[str, Any]) -> str:
@@ -153,7 +153,7 @@ def _balance(sharding: GroupSharding | None) -> tuple[str, str]:
     return str(sum(len(v) for v in sharding.views)), "; ".join(parts) or "-"
 
 
-def log_once(opt: Muon) -> None:
+def log_once(opt: OptimizerView) -> None:
     """``describe`` at INFO on rank 0, after the first step built the layouts (no collective)."""
     if getattr(opt, "_described", False):
         return
@@ -162,7 +162,7 @@ def log_once(opt: Muon) -> None:
         logger.info("%s", describe(opt, build=False))
 
 
-def metrics(opt: Muon, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[str, float]:
+def metrics(opt: OptimizerView, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[str, float]:
     """This rank's figures of the last step, flat, for a trainer's logger: the update's RMS over the
     matrix elements this rank holds (adjusted lr times the orthogonalized update; weight decay not
     included), bytes sent and received, collectives, matrices orthogonalized here and their host
@@ -180,7 +180,7 @@ def metrics(opt: Muon, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[s
         "muon/collectives": float(collectives),
         "muon/orthogonalized": float(done),
         "muon/ns_seconds": stats.ns_seconds,
-        "muon/matrices": float(sum(len(v) for _, s in opt._shardings.values() for v in s.views)),
+        "muon/matrices": float(sum(len(v) for e in opt._plans.entries.values() for v in e.sharding.views)),
         "adamw/tensors": float(sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")),
     }
     if qk_clip:

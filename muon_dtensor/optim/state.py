@@ -11,14 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..sharding.plan.param_layout import local_grad, local_of, relayout, row_state_zeros
-from .functional import adamw_step
+from ..sharding.plan.param_layout import relayout, row_state_zeros
 
 __all__ = [
     "MOMENTUM",
     "SECOND_MOMENT",
     "Conversion",
-    "adamw_group_step",
     "follow_replaced",
     "init_params",
     "init_state",
@@ -175,14 +173,35 @@ def settle_loaded(state: State, groups: Sequence[Mapping[str, Any]]) -> list[Con
     return converted
 
 
-def adamw_group_step(state: State, group: Mapping[str, Any], params: Sequence[Tensor]) -> None:
-    """An AdamW group's step over ``params`` (those with a gradient), on their local shards."""
-    states = [state[p] for p in params]
-    adamw_step(
-        [local_of(p) for p in params],
-        [local_grad(p) for p in params],
-        [local_of(s["exp_avg"]) for s in states],
-        [local_of(s["exp_avg_sq"]) for s in states],
-        [s["step"] for s in states],
-        **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
-    )
+class StateWalks:
+    """``follow_replaced`` and ``init_params`` over every group, run only when what they read
+    changed: the parameter set (the checks' generation), a group's algorithm, momentum dtype or
+    NorMuon, or the state itself (a load). A steady step compares one small tuple."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+
+    def invalidate(self) -> None:
+        self._key = None
+
+    def run(
+        self,
+        state: State,
+        groups: Sequence[Mapping[str, Any]],
+        seen: dict[int, list[Tensor]],
+        generation: int,
+    ) -> list[Conversion]:
+        """The walks if anything they read changed; the momentum buffers they converted."""
+        key = (
+            generation,
+            id(state),
+            [(g["algorithm"], g.get("momentum_dtype"), g.get("normuon")) for g in groups],
+        )
+        if key == self._key:
+            return []
+        follow_replaced(state, groups, seen)
+        converted = [
+            c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))
+        ]
+        self._key = key
+        return converted

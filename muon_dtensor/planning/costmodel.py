@@ -8,7 +8,7 @@ as ``functional.muon_step`` runs them:
 
 1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local shards
    (memory-bound multi-tensor ops), and packing blocks for the all-to-alls;
-2. **mid**: the rounds of ``_sharding.exchange.run_plan``, pipelined as it issues them: round k+1's
+2. **mid**: the rounds of ``sharding.runtime.exchange.run_plan``, pipelined as it issues them: round k+1's
    all-to-all to the owners and round k-1's all-to-all back travel while round k's matrices are
    assembled and orthogonalized (one collective stream in issue order, one compute stream;
    ``links.pipeline_seconds``);
@@ -72,7 +72,7 @@ class Implementation:
     """What the step's code does per element, per matrix and per bucket, apart from the machine.
 
     The defaults count the code as built (``elementwise.py``, ``functional.py``,
-    ``_sharding/exchange.py``), in bytes read plus written per local element (fp32) and in eager
+    ``sharding/runtime/exchange.py``), in bytes read plus written per local element (fp32) and in eager
     ops. Momentum: ``grad * (1 - m)`` 8, ``buf *= m`` 8, ``buf += `` 12; Nesterov ``buf * m`` 8,
     ``+=`` 12; copy to bf16 6: 54 bytes.
     Update: copy to fp32 6, ``*= lr`` 8, ``param *= 1 - lr wd`` 8, ``-=`` 12: 34 bytes. Every bf16

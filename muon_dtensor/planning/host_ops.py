@@ -4,7 +4,7 @@ term. Pure arithmetic over the plan layer; ``tests/test_host_model.py`` holds it
 count of top-level ``aten::`` ops (``benchmarks/bench_host.py``'s model, 2 and 4 ranks, both paths).
 
 What each event costs, read from the code (``functional.py``, ``elementwise.py``,
-``_sharding/exchange.py``, ``_sharding/comm.py``, ``step_checks.py``, ``newton_schulz.py``):
+``sharding/runtime/exchange.py``, ``sharding/runtime/comm.py``, ``step_checks.py``, ``newton_schulz.py``):
 
 - per trailing shape of the local Muon parameters: their Newton-Schulz inputs allocated at once
   (an allocation and a split; 1 for a shape met once), and so the scaled updates of each round; a

@@ -20,8 +20,8 @@ for each shape in turn and keeps a change only where the makespan falls.
 The balance is LPT with gangs: tasks longest first; a whole matrix goes to the least-loaded rank,
 a split one to the aligned group of k ranks whose busiest rank is least loaded, and occupies all k
 from that rank's load on (they run the iteration in lockstep). Pure arithmetic and frozen data;
-``ns_split="auto"`` takes its k per shape from here (``_sharding/splits.py``), and the runtime plan
-(``_sharding/plan.py``) places the gangs itself.
+``ns_split="auto"`` takes its k per shape from here (``optim/policy.py``), and the runtime plan
+(``sharding/plan/build.py``) places the gangs itself.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ launch, with no processes and no GPU.
 
 It builds the model's parameters on the meta device from a Hugging Face ``config.json`` (or a
 preset), splits them as ``split_params`` does, lays every Muon matrix out as FSDP2 (x TP, x HSDP)
-would on N ranks (blocks from placements, ``_sharding.blocks``), cuts the matrices
+would on N ranks (blocks from placements, ``sharding.plan.blocks``), cuts the matrices
 (``views.matrix_views``) and builds the plans (``plan.build_plan``) the optimizer would build. It
-prints per-rank memory (``_sharding.memory``), the owners' balance and the cost model's step, and
+prints per-rank memory (``sharding.plan.memory``), the owners' balance and the cost model's step, and
 exits 1 naming the parameter and the fix when a layout cannot run (2: bad arguments).
 """
 

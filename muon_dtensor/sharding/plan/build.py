@@ -18,12 +18,14 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal, get_args
 
 from ...numerics.newton_schulz import ns_flops
 from .blocks import Block, block_numel
 from .gangs import Gang, gang_cost, gang_start
 
 __all__ = [
+    "Mode",
     "DEFAULT_ROUND_BYTES",
     "MODES",
     "check_mode",
@@ -35,7 +37,8 @@ __all__ = [
 ]
 
 # "owner": each matrix once, on a balanced owner; "gather": every rank computes every matrix.
-MODES = ("owner", "gather")
+Mode = Literal["owner", "gather"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 
 def check_mode(mode: str) -> None:

@@ -4,7 +4,7 @@ A matrix split over k ranks enters the plan as k part entries (``views.split_vie
 of its wide form). Each part has one owner, so the blocks travel to the owners and back as any
 matrix's do; the k owners are k consecutive group ranks aligned to k (one node when k divides the
 node size), and they run the iteration together (``split_ns.py``) with collectives over the
-exchange group that carry bytes only between a gang's ranks (``comm.GangComm``). Every rank of the
+exchange group that carry bytes only between a gang's ranks (``split_exchange.GangComm``). Every rank of the
 group takes part in every such collective of a round (with nothing to send when it is in no gang),
 so each rank's route names every gang of the round.
 """
