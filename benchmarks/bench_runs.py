@@ -1,7 +1,7 @@
 """An owner's copies for one matrix, block by block against strided runs, side by side in one run.
 
 On n row-sharded ranks the owner of a matrix assembles it from n - 1 received blocks and packs its
-result back as n - 1 blocks. The step used to copy block by block; ``_sharding/runs.py`` merges
+result back as n - 1 blocks. The step used to copy block by block; ``sharding/plan/runs.py`` merges
 equal row blocks at a fixed stride into a few strided copies. This times both on the real routes
 (``routes.build_routes``) and the exchange's own copy helpers, in one process without collectives
 (the copies are the same whatever moves the buffers): a Llama-3-8B MLP-shaped matrix scaled to

@@ -1,4 +1,4 @@
-"""Strided runs (``_sharding/runs.py``): the copies between matrices and exchange buffers, merged.
+"""Strided runs (``sharding/plan/runs.py``): the copies between matrices and exchange buffers, merged.
 
 Pure, no process: the runs and loose blocks of every route move exactly the elements the
 block-by-block copies move (checked on random buffers, every rank of several layouts), and even
