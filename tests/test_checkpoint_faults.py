@@ -26,7 +26,7 @@ from torch import nn
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.checkpoint import collectives
+from muon_dtensor.checks.together import raise_together
 from muon_dtensor.tools.testing import run_ranks as run_fresh
 from tests.models import build, full, model_grads, step_together
 from tests.ranks import run_ranks
@@ -193,8 +193,9 @@ def test_loading_into_reordered_groups_changes_nothing(tmp_path: Path) -> None:
         assert untouched
 
 
-def test_first_error_hands_every_rank_the_same_exception() -> None:
-    """The helper every failure above goes through: the first failing rank's exception on every rank,
+def test_raise_together_hands_every_rank_the_same_exception() -> None:
+    """The primitive every failure above goes through (``checks.together.raise_together``): the
+    first failing rank's exception on every rank,
     as a RuntimeError with its text when it cannot be pickled; None when no rank failed."""
     for rank, seen in enumerate(run_ranks(first_errors, 2, timeout=TIMEOUT)):
         assert seen[0] == ("OSError", "[Errno 28] No space left on device: 'x'", rank == 0), seen
@@ -349,6 +350,9 @@ def first_errors() -> list[tuple[str, str, bool] | None]:
     ]
     out: list[tuple[str, str, bool] | None] = []
     for mine in cases:
-        first = collectives.first_error(mine, None)
-        out.append(None if first is None else (type(first).__name__, str(first), first is mine))
+        try:
+            raise_together(mine, None, "test")
+            out.append(None)
+        except Exception as first:  # noqa: BLE001 - what every rank raised
+            out.append((type(first).__name__, str(first), first is mine))
     return out

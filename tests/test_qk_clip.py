@@ -5,11 +5,7 @@ apart (modelscope/ms-swift#9901)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -27,6 +23,7 @@ from muon_dtensor import Muon, QKClipFactors, qk_clip_, qk_clip_factors
 from muon_dtensor.demo.logits import record_demo_logits
 from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
+from tests.conftest import DemoRun
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,8 +199,8 @@ BAD = {  # case: what every rank's error says
     "gqa": "q_weight has 6 heads and k_weight 4 (head_dim=4): the query heads should be a multiple",
     "mesh": "q_weight and k_weight should be on the same device mesh (or both plain tensors)",
     "shape_on_rank_1": "of shape (6,), one value per query head (-inf for heads a rank did not compute), but rank 1",
-    "int_on_rank_1": "but rank 1 passed another",
-    "none_on_rank_0": "but rank 0 passed another",
+    "int_on_rank_1": "but rank 1 passed torch.int64 of shape (6,)",
+    "none_on_rank_0": "but rank 0 passed NoneType",
     "nan_on_rank_0": "max_logits holds NaN or +inf on rank 0",
     "inf_on_rank_1": "max_logits holds NaN or +inf on rank 1",
 }
@@ -255,8 +252,9 @@ def test_bad_input_raises_on_every_rank_naming_argument_and_value() -> None:
         for case, text in BAD.items():
             assert r[case].startswith("qk_clip_: ") and text in r[case], f"rank {rank}, {case}: {r[case]}"
         assert r["unchanged"] == "True" and r["then"] == "150.0"
-    assert "(this rank passed torch.float32 of shape (5,))" in results[1]["shape_on_rank_1"]
-    assert "this rank passed" not in results[0]["shape_on_rank_1"]
+    # every rank raises the failing rank's own error, which names that rank and what it passed
+    assert results[0]["shape_on_rank_1"] == results[1]["shape_on_rank_1"]
+    assert "but rank 1 passed torch.float32 of shape (5,)" in results[0]["shape_on_rank_1"]
 
 
 # ------------------------------------------------------------------------------------- recorders
@@ -378,23 +376,21 @@ def test_demo_training_with_qk_clip_on_fsdp_x_tp() -> None:
 
 
 def test_demo_option_prints_logits_before_and_after(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    demo_emulated_qk_clip: DemoRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The session's demo run with --qk-clip 1.2 (forced float32 Newton-Schulz, which test_cpu_probe
+    reads from the same run; the clipping claims hold for either dtype)."""
     from muon_dtensor.demo.run import _parser, main
 
     assert _parser().parse_args(["--qk-clip"]).qk_clip == 5.0 and _parser().parse_args([]).qk_clip is None
     assert main(["--qk-clip", "0"]) == 2
     assert "--qk-clip should be a finite number > 0 but is 0.0" in capsys.readouterr().err
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "muon_dtensor", "demo", "--steps", "4", "--qk-clip", "1.2", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = demo_emulated_qk_clip
     out = done.stdout
-    assert done.returncode == 0, out + done.stderr[-4000:]
+    assert done.returncode == 0, done.failure()
     assert "QK-Clip at threshold 1.2 after every step of every run" in out
     assert "| step | largest logit, step's forward | heads clipped (of 8) |" in out
     assert "The resumed run (1 rank) clipped exactly as its twin at every step after the resume" in out
     assert "verdict: PASS" in out
-    saved = json.loads((tmp_path / "results.json").read_text())
+    saved = done.results()
     assert saved["args"]["qk_clip"] == 1.2 and len(saved["muon_dtensor"]["qk_clip"]) == 4

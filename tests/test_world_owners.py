@@ -370,7 +370,7 @@ def test_plan_command_prices_hsdp_with_the_optimizers_default_owners(
 def split_vote() -> tuple[bool, int]:
     """Rank function: rank 0 alone finds owners over the mesh cheaper (the cost model's verdict
     patched, and restored: the pool's processes live on); every rank must take the same layout."""
-    from muon_dtensor import policy
+    from muon_dtensor.optim import policy
 
     verdict = policy._mesh_pays
     policy._mesh_pays = lambda *args: dist.get_rank() == 0
@@ -391,7 +391,7 @@ def stage_meshes_auto() -> tuple[bool, int]:
     """Rank function: two pipeline stages, each an HSDP mesh of 2 of the 4 ranks. Where owners over
     the mesh pay (the verdict patched), "auto" takes them on each stage's mesh: its exchange group is
     created by that stage's ranks alone, so a group every rank creates afterwards still forms."""
-    from muon_dtensor import policy
+    from muon_dtensor.optim import policy
 
     world = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))
     stage = world["rep", "shard"]

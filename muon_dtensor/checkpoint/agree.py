@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from . import collectives
+from ..checks.together import raise_together
 
 __all__ = ["agree", "same_groups"]
 
@@ -27,52 +27,15 @@ def agree(
     **arguments: Any,
 ) -> T:
     """``local()`` (the rank's own checks: a value and facts derived from it) on every rank, then
-    one gather: every rank raises the first failing rank's error, or a ValueError naming each
-    argument or fact whose value differs between ranks. Returns the local value."""
+    ``raise_together``: every rank raises a ValueError naming each argument or fact whose value
+    differs between ranks, or the first failing rank's error. Returns the local value."""
     try:
         value, facts = local()
         error = None
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         value, facts, error = None, {}, e
-    mine = ({**arguments, **facts}, collectives.portable(error))
-    parts = collectives.gather_objects(mine, group)
-    failed = [rank for rank, (_, e) in enumerate(parts) if e is not None]
-    if failed:  # this rank's own exception (with its traceback) where it is the first to fail
-        raise error if failed[0] == collectives.rank_and_size(group)[0] and error else parts[failed[0]][1]
-    differing = [_describe(key, [p[0][key] for p in parts]) for key in parts[0][0] if _differs(key, parts)]
-    if differing:
-        raise ValueError(
-            f"{call}'s arguments differ between the ranks of the group: {'; '.join(differing)}. Pass the "
-            "same arguments, model and files on every rank; nothing was loaded"
-        )
+    raise_together(error, group, call, {**arguments, **facts}, "Nothing was loaded")
     return value  # type: ignore[return-value]
-
-
-def _differs(key: str, parts: list[tuple[dict[str, Any], Any]]) -> bool:
-    return any(p[0].get(key) != parts[0][0][key] for p in parts[1:])
-
-
-def _describe(key: str, values: list[Any]) -> str:
-    """Per distinct value, the ranks holding it; for collections, what differs from rank 0's."""
-    if all(isinstance(v, (set, frozenset, dict)) for v in values):
-        base = set(values[0])
-        parts = [
-            f"rank {r} {_listed('lacks', base - set(v))}{_listed(' has only', set(v) - base)}".rstrip()
-            for r, v in enumerate(values)
-            if v != values[0]
-        ]
-        return f"{key}: " + ", ".join(parts) + " (compared with rank 0)"
-    ranks: dict[str, list[int]] = {}
-    for r, v in enumerate(values):
-        ranks.setdefault(repr(v), []).append(r)
-    return f"{key}: " + ", ".join(f"{v} on rank(s) {rs}" for v, rs in ranks.items())
-
-
-def _listed(what: str, names: set[Any]) -> str:
-    if not names:
-        return ""
-    shown = sorted(map(str, names))
-    return f"{what} {', '.join(shown[:8])}" + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
 
 
 def same_groups(model: nn.Module, optimizer: Optimizer | None, group: dist.ProcessGroup | None) -> None:
@@ -88,14 +51,15 @@ def same_groups(model: nn.Module, optimizer: Optimizer | None, group: dist.Proce
     summary = "; ".join(
         f"group {i}: {len(g)} parameter(s), the first {g[0] if g else None}" for i, g in enumerate(mine)
     )
-    parts = collectives.gather_objects((digest, summary), group)
-    other = next((r for r, (d, _) in enumerate(parts) if d != parts[0][0]), None)
-    if other is not None:
+    try:
+        raise_together(None, group, "save_checkpoint", {"param groups": summary, "their parameters": digest})
+    except ValueError as e:
+        why = str(e).split(". Pass the same")[0].removeprefix("save_checkpoint: ranks disagree about ")
         raise ValueError(
-            f"save_checkpoint: the ranks' optimizers hold different param groups (rank 0: {parts[0][1] or 'none'}; "
-            f"rank {other}: {parts[other][1] or 'none'}), as pipeline stages do (one optimizer per model part). "
-            "This checkpoint keys param groups by their index, so one rank's groups would overwrite another's "
-            "and no run could load it; nothing was saved. Save pipeline stages with torch.distributed.checkpoint "
-            "and per-parameter optimizer keys (StateDictOptions(flatten_optimizer_state_dict=True)), as "
-            "docs/torchtitan.md ('Pipeline parallelism') shows"
-        )
+            f"save_checkpoint: the ranks' optimizers hold different param groups ({why}), as pipeline "
+            "stages do (one optimizer per model part). This checkpoint keys param groups by their index, "
+            "so one rank's groups would overwrite another's and no run could load it; nothing was saved. "
+            "Save pipeline stages with torch.distributed.checkpoint and per-parameter optimizer keys "
+            "(StateDictOptions(flatten_optimizer_state_dict=True)), as docs/torchtitan.md ('Pipeline "
+            "parallelism') shows"
+        ) from None

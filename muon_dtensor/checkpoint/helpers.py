@@ -13,7 +13,7 @@ name; only then does the checkpoint exist. The folder must be on a file system e
 
 A save or load never leaves a rank waiting in a collective for one that failed: arguments are
 checked locally before any collective; a step of rank 0's own file work (making the folder,
-publishing) ends in ``collectives.first_error``, so every rank raises the same error; DCP's own failures
+publishing) ends in ``checks.together.raise_together``, so every rank raises the same error; DCP's own failures
 already reach every rank. A load checks files, tensors and param groups before it changes anything.
 """
 
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from ..checks.together import attempt, raise_together
 from ..sharding.runtime import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
@@ -50,7 +51,7 @@ from .manifest import (
     step_dir,
     verify_files,
 )
-from .publish import IN_FLIGHT, attempt, claim, discarding, prune, publish, raise_together
+from .publish import IN_FLIGHT, claim, discarding, prune, publish
 from .safe_read import SafeLoadPlanner, SafeReader
 
 __all__ = [
@@ -106,8 +107,8 @@ def _finalize(
     rank (a file that cannot be read back, a full disk, a read-only root) raises on every rank."""
     rank, world = collectives.rank_and_size(group)
     mine, error = attempt(lambda: {p.name: file_record(p) for p in tmp.glob(f"__{rank}_*.distcp")})
+    raise_together(error, group, "save_checkpoint")
     parts = collectives.gather_objects(mine, group)
-    raise_together(error, group)
     if rank == 0:
         records = {k: v for part in parts for k, v in part.items()}
         info = {
@@ -120,7 +121,7 @@ def _finalize(
         error = attempt(lambda: publish(tmp, final, records, info))[1]
         if error is None and keep_last is not None:
             prune(final.parent, keep_last, step)
-    raise_together(error, group)
+    raise_together(error, group, "save_checkpoint")
     if rank == 0:  # one line per save, not one per rank
         log.info("saved %s", final)
     return final
@@ -233,12 +234,15 @@ def _verify(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
         manifest = read_manifest(folder)
         return manifest, verify_files(folder, sorted(manifest["files"])[rank::world], manifest)
 
-    checked, error = attempt(check)
-    raise_together(error, group)
-    manifest, problems = checked
-    everyone = sorted(p for part in collectives.gather_objects(problems, group) for p in part)
-    if everyone:
-        raise CheckpointError("checkpoint files failed verification: " + "; ".join(everyone))
+    def checked() -> dict[str, Any]:
+        manifest, problems = check()
+        if problems:
+            raise CheckpointError("checkpoint files failed verification: " + "; ".join(sorted(problems)))
+        return manifest
+
+    manifest, error = attempt(checked)
+    raise_together(error, group, "load_checkpoint")
+    assert manifest is not None
     return manifest
 
 
@@ -281,7 +285,9 @@ def load_checkpoint(
     folder = step_dir(root, chosen)
     manifest = _verify(folder, process_group)
     state = _state(model, None if fresh else optimizer)
-    raise_together(attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group)
+    raise_together(
+        attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group, "load_checkpoint"
+    )
     _read(folder, manifest["files"], state, process_group)
     _apply(state, model, optimizer, fresh)
     if fresh and collectives.rank_and_size(process_group)[0] == 0:

@@ -23,30 +23,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..checks.together import attempt, raise_together
 from . import collectives
 from .manifest import complete_steps, file_record, step_dir, write_manifest
 
-__all__ = ["IN_FLIGHT", "attempt", "claim", "discarding", "prune", "publish", "raise_together", "rename_new"]
+__all__ = ["IN_FLIGHT", "claim", "discarding", "prune", "publish", "rename_new"]
 
 log = logging.getLogger(__name__)
 
 # The final folders of this process's async saves whose wait() has not returned: their step is taken,
 # and their save group is busy (a second save's collectives on it could interleave with theirs).
 IN_FLIGHT: set[Path] = set()
-
-
-def raise_together(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    """Collective: if any rank failed, every rank raises the first failing rank's error."""
-    first = collectives.first_error(error, group)
-    if first is not None:
-        raise first
-
-
-def attempt(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    try:
-        return work(), None
-    except Exception as e:  # noqa: BLE001 - handed to raise_together, raised on every rank
-        return None, e
 
 
 def claim(
@@ -70,7 +57,7 @@ def claim(
         return tmp.name
 
     name, error = attempt(make)
-    raise_together(error, group)
+    raise_together(error, group, "save_checkpoint")
     return root / collectives.broadcast_object(name, group), final
 
 

@@ -6,7 +6,6 @@ makes the digests and explains a difference; ``step_checks.py`` sums them with t
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ __all__ = [
     "AGREED_KEYS",
     "Entry",
     "all_params",
-    "digest_pieces",
     "explain",
     "plain",
     "scope_entries",
@@ -76,12 +74,6 @@ def all_params(groups: Sequence[Mapping[str, Any]]) -> Entry:
 def settings_of(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The agreed settings of a group, as plain data."""
     return tuple((k, plain(group[k])) for k in AGREED_KEYS if k in group)
-
-
-def digest_pieces(text: str) -> list[int]:
-    """A 63-bit digest of ``text`` in three 21-bit pieces: sums over 2^20 ranks stay exact."""
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
-    return [(digest >> (21 * i)) & ((1 << 21) - 1) for i in range(3)]
 
 
 def explain(scope: Any, mine: list[Entry], everyone: dict[int, list[Entry]]) -> None:

@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from ..numerics.newton_schulz import NSConfig
 from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
-from .agreement import all_params, digest_pieces, explain, scope_entries, settings_of
+from .agreement import all_params, explain, scope_entries, settings_of
 from .names import param_names
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
+from .together import digest_pieces, disagree, summed
 from .validation import check_group
 
 __all__ = ["StepChecks"]
@@ -69,11 +70,11 @@ class _Summed(NamedTuple):
 
     def disagree(self) -> bool:
         """The ranks built the optimizer unlike each other (their settings' digests differ)."""
-        return _disagree(self.ranks, self.digest, self.digest_squares)
+        return disagree(self.ranks, self.digest, self.digest_squares)
 
     def held_unlike(self) -> bool:
         """Some rank holds a gradient unlike another's, or a bad one: the per-parameter flags must travel."""
-        return bool(self.bad) or _disagree(self.ranks, self.held, self.held_squares)
+        return bool(self.bad) or disagree(self.ranks, self.held, self.held_squares)
 
 
 class StepChecks:
@@ -188,11 +189,9 @@ def _reduce(
     known = int(failed)
     for scope, pieces, bits in zip(scopes, digests, held):
         squares = [x * x for x in pieces]
-        head = torch.tensor(
-            [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad], dtype=torch.int64
-        )
-        ((summed, size),) = sum_over_scopes(head, [scope])
-        heads.append(_Summed.of(summed.tolist()))
+        row = [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad]
+        ((sums, size),) = summed(row, [scope])
+        heads.append(_Summed.of(sums))
         ranks.append(size)
         known = max(known, int(heads[-1].failed > 0))
     return heads, ranks
@@ -216,11 +215,6 @@ def _present_slow(layout: _ParamSetCache, slow: Sequence[int], ranks: Sequence[i
         else:
             sums.append(flags * torch.tensor([ranks[k], 1, 1], dtype=torch.int64))
     return _present(layout, flags, sums, ranks)
-
-
-def _disagree(n: int, sums: Sequence[int], squares: Sequence[int]) -> bool:
-    """All n ranks hold the same digest iff n * sum(x^2) == sum(x)^2 for each of its pieces."""
-    return any(n * sq != s * s for s, sq in zip(sums, squares))
 
 
 def _raise_together(error: Exception | None, heads: Sequence[_Summed]) -> None:

@@ -7,9 +7,11 @@ and its key rows by ``(threshold / s_h) ** (1 - alpha)``, so its largest logit o
 
 Every rank must scale by the same factors, so ``s_h`` is the MAX over every rank of the weights'
 mesh before anything is computed from it (ms-swift's MuonClip applied process-local maxima and its
-data-parallel replicas drifted apart until it all-reduced them, modelscope/ms-swift#9901). That one
-all-reduce per mesh axis, for every layer of the mesh at once, also carries a digest of the other
-arguments and every rank's failures, so ranks that disagree or fail raise the same error together.
+data-parallel replicas drifted apart until it all-reduced them, modelscope/ms-swift#9901): one MAX
+all-reduce per mesh axis for every layer of the mesh at once. Before it, the ranks agree over a group
+every rank can name (the default group, or ``process_group``) on the arguments, the layers and their
+meshes in order, and on every rank's failures (``checks/together.py``): a rank that passed no layer,
+other layers, another order or a bad value raises the same error as every other rank, never a hang.
 
 Exactness: the factors are computed in float32 on the host from the reduced maxima, identical bits
 on every rank; each weight element is then multiplied once by its head's float32 factor (the result
@@ -19,7 +21,6 @@ rounded to the weight's dtype), so a shard's rows are the same rows of the one-p
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -30,7 +31,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..checks.agreement import digest_pieces, plain
+from ..checks import together
+from ..checks.agreement import plain
 from ..sharding.plan.blocks import AxisShard, Interval, shard_blocks
 from ..sharding.plan.param_layout import _shards, check_placements, local_of
 from ..sharding.runtime import comm
@@ -166,180 +168,102 @@ def _check_layer(entry: object, head_dim: int) -> tuple[int, int]:
 
 def _prepare(
     fn: str, items: list[tuple[str, str, Any]], head_dim: Any, threshold: Any, alpha: Any
-) -> tuple[list[_Layer], str | None]:
-    """Every layer with its head counts, and the first local error: raised only once every rank of
-    the layers' meshes knows of it (``_reduce_scope``), so no rank is left waiting."""
+) -> tuple[list[_Layer], ValueError | None]:
+    """Every layer with its head counts, and this rank's first error (arguments, weights, and its
+    own max_logits): raised only once every rank knows of it (``together.raise_together``)."""
     error, layers = None, []
     try:
         _check_args(head_dim, threshold, alpha)
     except ValueError as e:
-        error = f"{fn}: {e}"
+        error = ValueError(f"{fn}: {e}")
     for where, name, entry in items:
         counts = (0, 0)
         if error is None:
             try:
                 counts = _check_layer(entry, head_dim)
+                _check_logits(entry[2], counts[0])
             except ValueError as e:
-                error = f"{fn}: {where}{e}"
+                error = ValueError(f"{fn}: {where}{e}")
         q, k, logits = entry if isinstance(entry, (tuple, list)) and len(entry) == 3 else (None, None, None)
         layers.append(_Layer(where, name, q, k, logits, *counts))
     return layers, error
 
 
+def _check_logits(x: object, heads: int) -> None:
+    """This rank's max_logits: a plain float tensor ``[heads]`` with no NaN or +inf (reads it: a sync)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not (
+        isinstance(x, Tensor)
+        and not isinstance(x, DTensor)
+        and x.dtype.is_floating_point
+        and x.shape == (heads,)
+    ):
+        raise ValueError(
+            f"max_logits should be a plain float tensor of shape ({heads},), one value per query head (-inf "
+            f"for heads a rank did not compute), but rank {rank} passed {_text(x)}; no weight changed"
+        )
+    if bool((x.isnan() | (x == math.inf)).any()):
+        raise ValueError(
+            f"max_logits holds NaN or +inf on rank {rank}; every rank raises this and no weight changed. The "
+            "forward pass overflowed: find the NaN, or skip QK-Clip for this step"
+        )
+
+
 # ----------------------------------------------------------------------------- agreement
 def _text(w: object) -> str:
-    placed = f" {w.placements}" if isinstance(w, DTensor) else ""
-    return f"{w.dtype} of shape {tuple(w.shape)}{placed}" if isinstance(w, Tensor) else type(w).__name__
+    if isinstance(w, DTensor):
+        mesh = w.device_mesh
+        # the mesh's shape and names, not its ranks: stages or sub-meshes legitimately hold other ranks
+        return f"{w.dtype} of shape {tuple(w.shape)} {w.placements} on a mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}"
+    return f"{w.dtype} of shape {tuple(w.shape)}" if isinstance(w, Tensor) else type(w).__name__
 
 
-def _description(
-    fn: str, layers: list[_Layer], head_dim: Any, threshold: Any, alpha: Any
-) -> list[tuple[str, Any]]:
-    """What every rank of a scope must pass alike, as (argument, value) pairs (100 and 100.0 agree)."""
+def _arguments(layers: list[_Layer], head_dim: Any, threshold: Any, alpha: Any) -> dict[str, Any]:
+    """What every rank must pass alike (100 and 100.0 agree): each layer's name, weights and mesh,
+    in order, so the meshes are reduced in one order everywhere."""
     t, a = (float(x) if type(x) in (int, float) else plain(x) for x in (threshold, alpha))
-    out = [
-        ("the call", fn), ("head_dim", plain(head_dim)), ("threshold", t), ("alpha", a),
-        ("the layers", tuple(layer.name for layer in layers)),
-    ]  # fmt: skip
+    out: dict[str, Any] = {"head_dim": plain(head_dim), "threshold": t, "alpha": a}
+    out["the layers"] = tuple(layer.name for layer in layers)
     for layer in layers:
-        out += [(f"{layer.where}q_weight", _text(layer.q)), (f"{layer.where}k_weight", _text(layer.k))]
+        out[f"{layer.where}q_weight"], out[f"{layer.where}k_weight"] = _text(layer.q), _text(layer.k)
     return out
 
 
-def _gather_all(value: Any, scope: Scope) -> dict[int, Any]:
-    """Every rank's ``value`` in ``scope`` by global rank, on every rank: gathered axis after axis,
-    so every rank of a mesh, not only those sharing an axis with this one. Only after a failure."""
-    if scope is None:
-        return {0: value}
-    groups = [scope.get_group(a) for a in range(scope.ndim)] if isinstance(scope, DeviceMesh) else [scope]
-    known = {dist.get_rank(): value}
-    for group in groups:
-        known = {r: v for part in comm.gather_objects(known, group) for r, v in part.items()}
-    return known
-
-
-def _disagreement(fn: str, scope: Scope, desc: list[tuple[str, Any]]) -> str:
-    """The digests differ: the first argument in which two ranks differ, with both values."""
-    everyone = _gather_all(desc, scope)
-    ranks, first = sorted(everyone), everyone[min(everyone)]
-    other = next((r for r in ranks if repr(everyone[r]) != repr(first)), ranks[0])
-    pairs = itertools.zip_longest(first, everyone[other], fillvalue=("", "nothing"))
-    (key, a), (key_b, b) = next((x for x in pairs if repr(x[0]) != repr(x[1])), (("", ""), ("", "")))
-    arg, where = key or key_b, f"the mesh {scope}" if isinstance(scope, DeviceMesh) else "the default group"
-    return (
-        f"{fn}: ranks disagree about {arg}: {a!r} on rank {ranks[0]}, {b!r} on rank {other}; pass the same "
-        f"{arg} on every rank of {where}. No weight changed"
-    )
-
-
-def _shared_error(scope: Scope, error: str | None) -> str:
-    """Some rank of ``scope`` failed a check: every rank raises the lowest such rank's error."""
-    everyone = _gather_all(error, scope)
-    rank, text = min((r, e) for r, e in everyone.items() if e is not None)  # the flag says one exists
-    same = all(e == text for e in everyone.values())
-    return text if same else f"{text} (on rank {rank}; every rank raises this)"
-
-
 # ----------------------------------------------------------------------------- collective
-# The first all-reduce of a scope holds 4,096 floats whatever the arguments: ranks that disagree
-# still meet in collectives of one size. Its head: the digest's pieces, their negatives (MAX gives
-# both max and min), a failure flag.
-_FIRST, _HEAD = 4096, 7
-
-
-def _scope_of(q: object) -> Scope:
+def _scope_of(q: object, group: dist.ProcessGroup | None) -> Scope:
     if isinstance(q, DTensor):  # a rank outside the mesh does not reduce over it: check_placements raises
         return q.device_mesh if q.device_mesh.get_coordinate() is not None else None
+    if group is not None:
+        return group
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _max(values: Tensor, scope: Scope, device_type: str) -> Tensor:
     if isinstance(scope, DeviceMesh):
         return comm.max_over_mesh(values, scope)
-    return values.clone() if scope is None else comm.max_over_group(values, scope, device_type)
-
-
-def _local_values(x: object, heads: int, device: torch.device) -> tuple[Tensor, bool]:
-    """This rank's values (float32 on ``device``), and whether it passed something unusable."""
-    if (
-        isinstance(x, Tensor)
-        and not isinstance(x, DTensor)
-        and x.dtype.is_floating_point
-        and x.shape == (heads,)
-    ):
-        return x.detach().float().to(device), False
-    return torch.full((heads,), -math.inf, device=device), True
-
-
-def _body(layers: list[_Layer], rank: int) -> tuple[Tensor, Tensor]:
-    """``[wrong per layer, broken per layer, values]`` as float32 on the host (a flag: rank + 1 where
-    max_logits has the wrong type or shape, or NaN or +inf), and this rank's flags as 0 or 1."""
-    device = next((x.device for x in (layer.logits for layer in layers) if isinstance(x, Tensor)), None)
-    got = [_local_values(layer.logits, layer.heads, device or torch.device("cpu")) for layer in layers]
-    broken = torch.stack([(v.isnan() | (v == math.inf)).any() for v, _ in got]).float()
-    host, n = torch.cat([broken, *(v for v, _ in got)]).cpu(), len(layers)  # the one copy from the device
-    mine = torch.cat([torch.tensor([float(wrong) for _, wrong in got]), host[:n]])
-    return torch.cat([mine * (rank + 1), host[n:]]), mine
-
-
-def _reduce_scope(
-    fn: str, scope: Scope, layers: list[_Layer], desc: list[tuple[str, Any]], error: str | None
-) -> tuple[list[Tensor], str | None]:
-    """The MAX over ``scope`` of its layers' max logits (one all-reduce per mesh axis while they fit
-    in ``_FIRST`` floats) with the arguments' digest and every rank's failures; or the error."""
-    rank = dist.get_rank() if scope is not None else 0
-    pieces = digest_pieces(repr(desc))
-    head = torch.tensor([*pieces, *(-p for p in pieces), float(error is not None)])
-    body, mine = _body(layers, rank) if error is None else (torch.empty(0), torch.empty(0))
-    sent = torch.cat([head, body, torch.full((max(0, _FIRST - _HEAD - body.numel()),), -math.inf)])
-    device_type = next((local_of(x.q).device.type for x in layers if isinstance(x.q, Tensor)), "cpu")
-    first = _max(sent[:_FIRST], scope, device_type)
-    if any(first[i] != -first[i + 3] for i in range(3)):
-        return [], _disagreement(fn, scope, desc)
-    if first[_HEAD - 1] > 0:
-        return [], _shared_error(scope, error)
-    rest = _max(sent[_FIRST:], scope, device_type) if sent.numel() > _FIRST else sent[:0]
-    return _unpack(fn, torch.cat([first, rest])[_HEAD:], layers, mine)
-
-
-def _unpack(fn: str, reduced: Tensor, layers: list[_Layer], mine: Tensor) -> tuple[list[Tensor], str | None]:
-    n = len(layers)
-    maxima = list(reduced[2 * n : 2 * n + sum(x.heads for x in layers)].split([x.heads for x in layers]))
-    for kind, flags in enumerate((reduced[:n], reduced[n : 2 * n])):
-        bad = flags.nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            here = f" (this rank passed {_text(layers[i].logits)})" if mine[kind * n + i] else ""
-            text = _FLAGS[kind].format(heads=layers[i].heads, rank=int(flags[i]) - 1, here=here)
-            return maxima, f"{fn}: {layers[i].where}{text}"
-    return maxima, None
-
-
-_FLAGS = (  # max_logits is the one argument that differs per rank: its problems travel as flags
-    "max_logits should be a plain float tensor of shape ({heads},), one value per query head (-inf for "
-    "heads a rank did not compute), but rank {rank} passed another{here}; no weight changed",
-    "max_logits holds NaN or +inf on rank {rank}{here}; every rank raises this and no weight changed. "
-    "The forward pass overflowed: find the NaN, or skip QK-Clip for this step",
-)
+    return values.detach().cpu().clone() if scope is None else comm.max_over_group(values, scope, device_type)
 
 
 # ----------------------------------------------------------------------------- the calls
 def _clip(
-    fn: str, items: list[tuple[str, str, Any]], head_dim: Any, threshold: Any, alpha: Any
-) -> list[QKClipFactors]:
-    """Check, reduce every scope (in order of first appearance), raise together, then scale."""
+    fn: str, items: list[tuple[str, str, Any]], head_dim: Any, threshold: Any, alpha: Any,
+    group: dist.ProcessGroup | None,
+) -> list[QKClipFactors]:  # fmt: skip
+    """Check locally, agree over ``group`` (the default group where None: every rank can name it),
+    then one MAX all-reduce per axis of each mesh, in the agreed order, then scale."""
     layers, error = _prepare(fn, items, head_dim, threshold, alpha)
+    together.raise_together(
+        error, group, fn, _arguments(layers, head_dim, threshold, alpha), "No weight changed"
+    )
     scopes: dict[Scope, list[int]] = {}
     for i, layer in enumerate(layers):
-        scopes.setdefault(_scope_of(layer.q), []).append(i)
+        scopes.setdefault(_scope_of(layer.q, group), []).append(i)
     maxima: dict[int, Tensor] = {}
     for scope, members in scopes.items():
-        mine = [layers[i] for i in members]
-        desc = _description(fn, mine, head_dim, threshold, alpha)
-        found, error = _reduce_scope(fn, scope, mine, desc, error)
-        maxima.update(zip(members, found))
-    if error is not None:
-        raise ValueError(error)
+        values = torch.cat([layers[i].logits.detach().float() for i in members])
+        device_type = local_of(layers[members[0]].q).device.type
+        reduced = _max(values, scope, device_type)
+        maxima.update(zip(members, reduced.split([layers[i].heads for i in members])))
     return [_apply(x, maxima[i], head_dim, float(threshold), float(alpha)) for i, x in enumerate(layers)]
 
 
@@ -355,7 +279,7 @@ def _apply(layer: _Layer, s: Tensor, head_dim: int, threshold: float, alpha: flo
 @torch.no_grad()
 def qk_clip_(
     q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, *, head_dim: int, threshold: float = 100.0,
-    alpha: float = 0.5,
+    alpha: float = 0.5, process_group: dist.ProcessGroup | None = None,
 ) -> QKClipFactors:  # fmt: skip
     """QK-Clip one attention layer in place; returns the factors (``QKClipFactors``) for logging.
 
@@ -367,26 +291,31 @@ def qk_clip_(
     k rows by ``eta ** (1 - alpha)``, ``eta = threshold / max``; a GQA key head takes the smallest
     factor of its query heads. Factors are float32; each element is multiplied once.
 
-    Collective over the weights' mesh (the default group for plain tensors): one MAX all-reduce
-    per mesh axis, which also carries a digest of the other arguments and every rank's failures, so
-    a bad argument or ranks that disagree (``head_dim``, ``threshold``, ``alpha``, the weights'
-    shapes) raise the same ``ValueError`` on every rank, no weight changed. Optimizer state is left
-    as it is. ``qk_clip_all_`` clips every layer in one all-reduce.
+    Collective: first one integer sum over ``process_group`` (default: the default group, which
+    every rank can name; a pipeline stage passes its own group), so a bad argument or ranks that
+    disagree (``head_dim``, ``threshold``, ``alpha``, the weights' shapes, placements and mesh)
+    raise the same ``ValueError`` on every rank, no weight changed; then one MAX all-reduce per axis
+    of the weights' mesh (``process_group`` for plain tensors). Optimizer state is left as it is.
+    ``qk_clip_all_`` clips every layer with one all-reduce per mesh.
     """
-    return _clip("qk_clip_", [("", "", (q_weight, k_weight, max_logits))], head_dim, threshold, alpha)[0]
+    items = [("", "", (q_weight, k_weight, max_logits))]
+    return _clip("qk_clip_", items, head_dim, threshold, alpha, process_group)[0]
 
 
 @torch.no_grad()
 def qk_clip_all_(
     layers: Mapping[str, tuple[Tensor, Tensor, Tensor]] | Sequence[tuple[Tensor, Tensor, Tensor]],
     *, head_dim: int, threshold: float = 100.0, alpha: float = 0.5,
+    process_group: dist.ProcessGroup | None = None,
 ) -> list[QKClipFactors]:  # fmt: skip
-    """``qk_clip_`` for every layer: one MAX all-reduce per axis of each distinct mesh (the default
-    group for plain tensors) whatever the number of layers, while a mesh's layers hold fewer than
-    about 4,000 query heads (two beyond). Bit for bit ``qk_clip_`` layer by layer.
+    """``qk_clip_`` for every layer: one agreement sum over ``process_group``, then one MAX
+    all-reduce per axis of each distinct mesh (``process_group`` for plain tensors) whatever the
+    number of layers. Bit for bit ``qk_clip_`` layer by layer.
 
     ``layers``: ``(q_weight, k_weight, max_logits)`` per layer, keyed by name (errors name it) or in
-    a sequence; the same layers in the same order on every rank of their mesh. ``head_dim``,
+    a sequence; the same layers in the same order on every rank. Name them (a dict): ranks then
+    check the names too, while two same-shape layers of a sequence swapped on one rank carry nothing
+    another rank could tell apart. ``head_dim``,
     ``threshold`` and ``alpha`` as for ``qk_clip_``, one for all layers. Returns each layer's
     ``QKClipFactors`` in order. Any error on any rank raises on every rank before a weight changes.
     """
@@ -397,4 +326,4 @@ def qk_clip_all_(
         )
     named = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
     items = [(f"layer {name!r}: ", str(name), entry) for name, entry in named]
-    return _clip("qk_clip_all_", items, head_dim, threshold, alpha)
+    return _clip("qk_clip_all_", items, head_dim, threshold, alpha, process_group)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..checks.together import raise_together
 from ..sharding.plan.domains import Domain, ViewOptions, build_domain, group_members
 from ..sharding.plan.param_layout import (
     ParamLayout,
@@ -23,7 +23,6 @@ from ..sharding.plan.param_layout import (
     replica_count,
 )
 from ..sharding.plan.views import View, holds_first_column, matrix_views
-from ..sharding.runtime.comm import sum_over_mesh
 from ..sharding.runtime.groups import exchange_group
 from .policy import SplitPolicy, owner_meshes
 
@@ -33,26 +32,35 @@ NO_SPLIT = SplitPolicy()
 
 
 def layout_of(
-    p: Tensor, name: str, ddp_group: dist.ProcessGroup | None = None, *, across: bool = False
+    p: Tensor,
+    name: str,
+    ddp_group: dist.ProcessGroup | None = None,
+    *,
+    across: bool = False,
+    planned: bool = False,
 ) -> ParamLayout:
     """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
     this for the same parameters in the same order). ``ddp_group`` serves plain tensors. ``across``:
-    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks."""
+    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks.
+    ``planned``: no group is created (a report on one rank: ``param_layout.describe``)."""
     if not isinstance(p, DTensor):
         return describe(p, name, ddp_group)
     check_placements(p, name)
     mesh = p.device_mesh
     across = across and replica_count(p) > 1
     axes = exchange_axes(p, name, across)
-    group = exchange_group(mesh, axes) if math.prod(mesh.size(a) for a in axes) > 1 else None
-    return describe(p, name, group, across)
+    many = math.prod(mesh.size(a) for a in axes) > 1
+    group = exchange_group(mesh, axes) if many and not planned else None
+    return describe(p, name, group, across, planned)
 
 
 class GroupSharding:
     """Layouts and views of a Muon group's parameters, and its domains for each set of parameters
     that has gradients (built per step's parameter set; ``optim/plan_cache.py`` keeps them). ``owners``
     (``"auto"``, ``"mesh"``, ``"replica"``) says where HSDP parameters find their owners
-    (``policy.owner_meshes``; collective for ``"auto"``)."""
+    (``policy.owner_meshes``; collective for ``"auto"``). ``local``: built on this rank alone for a
+    report (no group created, no vote: ``"auto"`` is taken as ``"replica"`` and ``decided`` is False,
+    for the first step decides it; an error raises on this rank only)."""
 
     def __init__(
         self,
@@ -62,15 +70,17 @@ class GroupSharding:
         ddp_group: dist.ProcessGroup | None,
         owners: str = "replica",
         second_moments: Sequence[Tensor | None] = (),
+        local: bool = False,
     ) -> None:
         self.layouts: list[ParamLayout] = []
         self.views: list[list[View]] = []
-        self.across = owner_meshes(params, owners, vars(options))
+        self.decided = not (local and owners == "auto" and any(replica_count(p) > 1 for p in params))
+        self.across = owner_meshes(params, "replica" if local and owners == "auto" else owners, vars(options))
         error: ValueError | None = None
         for i, (p, name) in enumerate(zip(params, names)):
             try:
                 across = isinstance(p, DTensor) and p.device_mesh in self.across
-                layout = layout_of(p, name, ddp_group, across=across)
+                layout = layout_of(p, name, ddp_group, across=across, planned=local)
                 views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
                 if options.lead and views:
                     _check_second_moment(p, second_moments[i], layout, name)
@@ -78,7 +88,10 @@ class GroupSharding:
                 self.views.append(views)
             except ValueError as e:
                 error = error or e
-        _agree_on_error(error, params)
+        if local and error is not None:
+            raise error
+        if not local:
+            _agree_on_error(error, params)
 
     def domains(
         self, todo: Sequence[int], mode: str, max_round_bytes: int | None, policy: SplitPolicy = NO_SPLIT
@@ -108,14 +121,14 @@ def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name:
 
 
 def _agree_on_error(error: ValueError | None, params: Sequence[Tensor]) -> None:
-    """The one layout check that can differ between ranks (a local shape) is summed over each mesh,
-    so every rank raises together."""
-    meshes = {p.device_mesh: None for p in params if isinstance(p, DTensor)}
-    failed = sum(int(sum_over_mesh(torch.tensor([int(error is not None)]), m)) for m in meshes)
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(
-            f"building the optimizer failed on {failed} other rank(s) for a parameter of this "
-            "group; their error names it (a local shard that does not match its placements)"
-        )
+    """The one layout check that can differ between ranks (a local shape) is raised together over
+    each mesh in order; a failure learned on one mesh travels on to the next, so a rank that shares
+    only a later mesh with the failing one raises too."""
+    first: BaseException | None = error
+    for mesh in {p.device_mesh: None for p in params if isinstance(p, DTensor)}:
+        try:
+            raise_together(first, mesh, "building the optimizer's layouts")
+        except Exception as e:  # noqa: BLE001 - raised below, after every mesh has heard of it
+            first = first or e
+    if first is not None:
+        raise first

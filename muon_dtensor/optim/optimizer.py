@@ -14,6 +14,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from ..checks import validation
 from ..checks.names import param_names
 from ..checks.step_checks import StepChecks
+from ..checks.together import refuse_after_failure
 from ..checks.validation import NSSplit, Owners
 from ..numerics.newton_schulz import (
     DEFAULT_COEFFICIENTS,
@@ -144,6 +145,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        refuse_after_failure("Muon.step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -153,10 +155,10 @@ class Muon(Optimizer):
         generation = self._checks.generation
         found = self._walks.run(self.state, self.param_groups, self._params, generation)
         _warn_converted(self.param_groups, found, "found")
+        for i, g in enumerate(self.param_groups):  # set-up: its errors are raised on every rank together
+            if configs[i] is not None:
+                self._sharding(i, g, generation)
         with releasing_peers():  # a rank that raises from here on tells its peers to stop waiting
-            for i, g in enumerate(self.param_groups):
-                if configs[i] is not None:
-                    self._sharding(i, g, generation)
             for index, (group, config, todo) in enumerate(zip(self.param_groups, configs, work)):
                 if config is None:
                     adamw_group_step(self.state, group, [group["params"][i] for i in todo])
@@ -165,18 +167,21 @@ class Muon(Optimizer):
         report.log_once(self)
         return loss
 
-    def _sharding(self, index: int, group: dict[str, Any], generation: int | None = None) -> GroupSharding:
+    def _sharding(
+        self, index: int, group: dict[str, Any], generation: int | None = None, local: bool = False
+    ) -> GroupSharding:
         """A Muon group's layouts, views and plans (``optim/plan_cache.py``): built (collectively) on
-        first use and again when its parameters or plan settings change."""
-        if generation is None:  # outside a step (describe, memory): the parameter set, locally
+        first use and again when its parameters or plan settings change. ``local`` (describe, memory
+        on one rank): the current plan if a step built it, else one built with no collective, not kept."""
+        if generation is None:  # outside a step: the parameter set, locally
             generation = self._checks.param_set(self.param_groups, self._process_group)
 
         def build(options: ViewOptions, owners: str) -> GroupSharding:
             seconds = row_states(self.state, group)  # NorMuon switched on later: its state first
             names = param_names(group, index)
-            return GroupSharding(group["params"], names, options, self._process_group, owners, seconds)
+            return GroupSharding(group["params"], names, options, self._process_group, owners, seconds, local)
 
-        return self._plans.sharding(index, group, generation, build)
+        return self._plans.sharding(index, group, generation, build, keep=not local)
 
     def _muon_step(self, index: int, group: dict[str, Any], todo: list[int], config: NSConfig) -> None:
         params = [group["params"][i] for i in todo]

@@ -42,14 +42,18 @@ class PlanCache:
     def __init__(self) -> None:
         self.entries: dict[int, PlanEntry] = {}
 
-    def sharding(self, index: int, group: Mapping[str, Any], generation: int, build: Build) -> GroupSharding:
-        """Group ``index``'s sharding, rebuilt only when its parameters or plan settings changed."""
+    def sharding(
+        self, index: int, group: Mapping[str, Any], generation: int, build: Build, keep: bool = True
+    ) -> GroupSharding:
+        """Group ``index``'s sharding, rebuilt only when its parameters or plan settings changed;
+        ``keep=False``: a new one is built for the caller alone (a report's, built locally)."""
         key = (generation, tuple(_frozen(group.get(k)) for k in PLAN_KEYS))
         entry = self.entries.get(index)
         if entry is None or entry.key != key:
             owners = group.get("owners", "auto")  # a group loaded from an older state dict may lack it
             entry = PlanEntry(key, build(ViewOptions.of(group), owners), split_policy(group))
-            self.entries[index] = entry
+            if keep:
+                self.entries[index] = entry
         return entry.sharding
 
     def domains(self, index: int, group: Mapping[str, Any], todo: Sequence[int]) -> list[Domain]:

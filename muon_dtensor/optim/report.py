@@ -38,7 +38,9 @@ class OptimizerView(Protocol):
     comm_stats: CommStats
     _plans: PlanCache
 
-    def _sharding(self, index: int, group: dict[str, Any]) -> GroupSharding: ...
+    def _sharding(
+        self, index: int, group: dict[str, Any], generation: int | None = None, local: bool = False
+    ) -> GroupSharding: ...
 
 
 # State key -> the kind ``Muon.memory`` reports it under.
@@ -74,7 +76,7 @@ def memory(opt: OptimizerView) -> dict[str, int]:
         if group["algorithm"] == "adamw":  # adamw_update: two parameter-sized temporaries at once
             peak = max([peak] + [2 * t.numel() * t.element_size() for t in locals_])
         elif locals_:
-            peak = max(peak, _muon_peak(group, opt._sharding(index, group), locals_))
+            peak = max(peak, _muon_peak(group, opt._sharding(index, group, local=True), locals_))
     return state_bytes(opt.state, opt.param_groups) | {"peak_transient": peak}
 
 
@@ -100,8 +102,9 @@ def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[
 
 def describe(opt: OptimizerView, build: bool = True) -> str:
     """The coverage table: per group its algorithm, options, parameters, elements, matrices and
-    owner balance; then the parameters Muon does not take and why. ``build=False`` reads only the
-    layouts already built (no collective)."""
+    owner balance; then the parameters Muon does not take and why. Local: call it on one rank (the
+    usual ``if rank == 0: log(opt.describe())``), before or after the first step; a plan no step
+    built yet is built on this rank alone. ``build=False`` reads only the plans a step built."""
     lines = ["| group | algorithm | options | params | elements | matrices | owners (busiest / mean) |"]
     lines.append("|---|---|---|---:|---:|---:|---|")
     totals: Counter[str] = Counter()
@@ -112,7 +115,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
         totals[algo] += elements
         matrices, balance = "-", "-"
         if algo == "muon":
-            sharding = opt._sharding(index, group) if build else _built(opt, index)
+            sharding = opt._sharding(index, group, local=True) if build else _built(opt, index)
             matrices, balance = _balance(sharding)
         else:
             names = param_names(group, index)
@@ -150,7 +153,8 @@ def _balance(sharding: GroupSharding | None) -> tuple[str, str]:
         parts.append(
             f"{d.plan.group_size} ranks: {d.plan.imbalance:.3f}, {min(counts)}-{max(counts)} matrices per rank"
         )
-    return str(sum(len(v) for v in sharding.views)), "; ".join(parts) or "-"
+    undecided = "" if sharding.decided else " (owners='auto': per replica until the first step decides)"
+    return str(sum(len(v) for v in sharding.views)), ("; ".join(parts) or "-") + undecided
 
 
 def log_once(opt: OptimizerView) -> None:

@@ -48,8 +48,8 @@ def check_mode(mode: str) -> None:
 
 # Owner value meaning "every rank of the group computes this matrix" (gather mode).
 EVERYONE = -1
-# Full matrices (bf16) per exchange round by default: 16% faster than one round and a quarter of its
-# exchange buffers on the 8 x 512 benchmark set (docs/benchmarks.md, bench_rounds.py).
+# Full matrices (bf16) per exchange round by default: rounds bound the exchange buffers, and overlap
+# one round's Newton-Schulz with the next round's all-to-all (measured: docs/benchmarks.md, bench_rounds.py).
 DEFAULT_ROUND_BYTES = 4 << 20
 
 

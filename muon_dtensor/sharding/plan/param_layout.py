@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class ParamLayout:
     rank: int
     group: dist.ProcessGroup | None
     replica_of: tuple[int, ...] | None = None
+    members: tuple[int, ...] = ()  # the group's global ranks, for a layout planned without its group
 
     @property
     def group_size(self) -> int:
@@ -52,7 +54,7 @@ class ParamLayout:
     @property
     def key(self) -> tuple:
         """Parameters with equal keys share an exchange group (and a plan)."""
-        return (id(self.group), self.group_size)
+        return (id(self.group), self.group_size, self.members)
 
 
 def local_of(t: Tensor) -> Tensor:
@@ -97,13 +99,18 @@ def shards_of(p: DTensor, name: str) -> list[AxisShard]:
     return _shards(p, name)
 
 
-def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGroup) -> list[int]:
-    """For each group rank, the flat (row-major over ``axes``) index of its block."""
+def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], ranks: Sequence[int]) -> list[int]:
+    """For each group rank (``ranks``: the group's global ranks in group order), the flat
+    (row-major over ``axes``) index of its block."""
+    return [_axis_ranks(mesh, axes).index(r) for r in ranks]
+
+
+def _axis_ranks(mesh: DeviceMesh, axes: tuple[int, ...]) -> list[int]:
+    """The global ranks that share this rank's coordinates off ``axes``, row-major over ``axes``."""
     coord = mesh.get_coordinate()
     assert coord is not None
     index = [slice(None) if a in axes else coord[a] for a in range(mesh.ndim)]
-    flat_ranks = mesh.mesh[tuple(index)].reshape(-1).tolist()
-    return [flat_ranks.index(r) for r in dist.get_process_group_ranks(group)]
+    return mesh.mesh[tuple(index)].reshape(-1).tolist()
 
 
 def check_placements(p: Tensor, name: str) -> None:
@@ -137,11 +144,15 @@ def exchange_axes(p: DTensor, name: str, across: bool = False) -> tuple[int, ...
     return tuple(s.axis for s in _shards(p, name)) or tuple(range(p.device_mesh.ndim))
 
 
-def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool = False) -> ParamLayout:
+def describe(
+    p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool = False, planned: bool = False
+) -> ParamLayout:
     """The layout of ``p`` given its exchange ``group`` (None: this rank alone); raises ValueError
     naming ``name`` for layouts not handled. A plain tensor with a group is replicated over it (DDP).
     ``across``: the group is the whole mesh and spans ``p``'s replicas. Reads only: the group is
-    created by the caller (``sharding.layout_of``)."""
+    created by the caller (``optim/group_sharding.layout_of``). ``planned``: no group exists (a
+    report on one rank); the layout is that of the group over the exchange axes' ranks, sorted, as
+    ``runtime.groups`` creates it, and carries those ranks (``members``) instead of a group."""
     if not isinstance(p, DTensor):
         if group is None or dist.get_world_size(group) == 1:
             return ParamLayout(None, (), (full_block(p.shape),), 0, None)
@@ -155,19 +166,21 @@ def describe(p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool
     replicas = None
     if across:
         flat, replicas = mesh_blocks(p.shape, tuple(mesh.shape), shards)
-    if group is None:
+    members = tuple(sorted(_axis_ranks(mesh, axes))) if planned else ()
+    if group is None and not (planned and len(members) > 1):
         return ParamLayout(mesh, axes, flat, 0, None)
-    order = _group_order(mesh, axes, group)
+    ranks = members if planned else tuple(dist.get_process_group_ranks(group))
+    order = _group_order(mesh, axes, ranks)
     blocks = tuple(flat[i] for i in order)
     replica_of = tuple(replicas[i] for i in order) if replicas is not None else None
-    rank = dist.get_rank(group)
+    rank = ranks.index(dist.get_rank())
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
     if local_shape != expected and (p.to_local().numel() or block_numel(blocks[rank])):
         raise _unsupported(
             name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
         )
-    return ParamLayout(mesh, axes, blocks, rank, group, replica_of)
+    return ParamLayout(mesh, axes, blocks, rank, group, replica_of, members)
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:

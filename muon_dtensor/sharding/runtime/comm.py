@@ -26,6 +26,7 @@ __all__ = [
     "CommStats",
     "gather_objects",
     "gather_over_scope",
+    "job_failure",
     "max_over_group",
     "max_over_mesh",
     "pack_chunks",
@@ -156,7 +157,30 @@ def releasing_peers() -> Iterator[None]:
         yield
     except BaseException as e:
         report_failure(e)
+        _remember(f"rank {dist.get_rank() if dist.is_initialized() else 0} raised {type(e).__name__}: {e}")
         raise
+
+
+# The failure this process saw inside a step's data path, with the default group it happened under:
+# ``job_failure`` answers for that group only, so a re-created process group starts clean.
+_FAILED: list[tuple[Any, str]] = []
+
+
+def _remember(text: str) -> None:
+    if dist.is_available() and dist.is_initialized() and not _FAILED:
+        _FAILED.append((dist.distributed_c10d._get_default_group(), text[:2000]))
+
+
+def job_failure() -> str | None:
+    """The step failure this process saw (its own, or a peer's that released it), if it happened
+    under the current default process group; else None. Local: no collective."""
+    if not _FAILED or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group, text = _FAILED[-1]
+    if group is not dist.distributed_c10d._get_default_group():
+        _FAILED.clear()
+        return None
+    return text
 
 
 def _store() -> Any:
@@ -192,6 +216,7 @@ def wait_released(work: Any, device: torch.device) -> None:
                 _wait_reporting(work)
                 return
         if store.check([FAILED_KEY]):
+            _remember(store.get(FAILED_KEY).decode(errors="replace"))
             raise RuntimeError(
                 f"{store.get(FAILED_KEY).decode(errors='replace')} inside Muon.step; this rank was "
                 "waiting for it in a collective of the step and stops. The ranks' states now differ: "
