@@ -8,6 +8,9 @@ peak is an 8192^3 bf16 ``torch.mm`` on random data (never zeros: GPUs can run a 
 faster than real data). Times are medians of CUDA-event timings after warmup. Goal: >= 70% of the measured peak on 4096-class
 matrices (4096^2 and 4096x14336).
 
+The measuring functions live in ``benchmarks/gpucheck/ns_speed.py``, which ``gpu_check.py`` (part
+b) runs with the Gram form and Llama-3 shapes too; this script is the standard form alone.
+
 Exits with status 2 and a message on stderr when no CUDA device is present.
 
 Examples, from the repository root::
@@ -21,12 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +35,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from muon_dtensor import newton_schulz, resolve_ns_config  # noqa: E402
-from muon_dtensor.numerics.newton_schulz import ns_flops  # noqa: E402
-
-SHAPES = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (4096, 14336)]
-GOAL_SHAPES = {(4096, 4096), (4096, 14336)}
-GOAL = 0.70  # goal: batched NS at >= 70% of the measured matmul peak on 4096-class matrices
-PEAK_N = 8192
-NS_STEPS = 5
-# Keep one stack's input under this many bytes; NS holds about 4 such buffers at once (X, A, B, new X).
-MAX_STACK_BYTES = 8 * 2**30
+from benchmarks.gpucheck.ns_speed import (  # noqa: E402
+    PEAK_N,
+    SHAPES,
+    batch_size,
+    format_table,
+    goal_verdict,
+    matmul_peak,
+    run_case,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,64 +67,6 @@ def require_cuda() -> None:
         sys.exit(2)
 
 
-def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> list[float]:
-    """CUDA-event milliseconds of ``reps`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
-
-
-def matmul_peak(reps: int) -> dict[str, Any]:
-    """bf16 TFLOP/s of an 8192^3 torch.mm on random data, median of at least 50 calls."""
-    a = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
-    # Many short calls, so the clocks ramp up during warmup and the median is steady.
-    times = time_ms(lambda: torch.mm(a, b), max(reps, 50), warmup=20)
-    tflops = 2 * PEAK_N**3 / (statistics.median(times) * 1e-3) / 1e12
-    return {"n": PEAK_N, "times_ms": times, "tflops": tflops}
-
-
-def batch_size(shape: tuple[int, int], peak_tflops: float, target_ms: float) -> int:
-    flops = ns_flops(shape, NS_STEPS)
-    by_time = math.ceil(target_ms * 1e-3 * peak_tflops * 1e12 / flops)
-    by_memory = max(1, MAX_STACK_BYTES // (2 * shape[0] * shape[1]))
-    return max(1, min(by_time, by_memory))
-
-
-def run_case(shape: tuple[int, int], batch: int, compiled: bool, reps: int, peak: float) -> dict[str, Any]:
-    """TFLOP/s of one batched Newton-Schulz call on ``batch`` matrices of ``shape``."""
-    config = resolve_ns_config((3.4445, -4.7750, 2.0315), NS_STEPS, 1e-7)
-    x = torch.randn(batch, *shape, device="cuda", dtype=torch.bfloat16)
-
-    def call(t: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(t, config)
-
-    fn = torch.compile(call, dynamic=False) if compiled else call
-    times = time_ms(lambda: fn(x), reps)
-    median = statistics.median(times)
-    tflops = batch * ns_flops(shape, NS_STEPS) / (median * 1e-3) / 1e12
-    finite = bool(torch.isfinite(fn(x)).all())
-    return {
-        "shape": list(shape),
-        "batch": batch,
-        "compiled": compiled,
-        "times_ms": times,
-        "median_ms": median,
-        "tflops": tflops,
-        "fraction_of_peak": tflops / peak,
-        "finite": finite,
-    }
-
-
 def system_info() -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     return {
@@ -137,31 +78,6 @@ def system_info() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
-
-
-def format_table(peak: float, rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"measured bf16 matmul peak ({PEAK_N}^3 torch.mm, random data): {peak:.1f} TFLOP/s",
-        "",
-        "| shape | batch | compiled | median ms | NS TFLOP/s | fraction of measured peak |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        m, n = r["shape"]
-        lines.append(
-            f"| {m}x{n} | {r['batch']} | {'yes' if r['compiled'] else 'no'} | {r['median_ms']:.1f} "
-            f"| {r['tflops']:.1f} | {r['fraction_of_peak']:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def goal_verdict(rows: list[dict[str, Any]]) -> dict[str, bool]:
-    """Per 4096-class shape: does the better of eager and compiled reach GOAL of the peak?"""
-    verdict: dict[str, bool] = {}
-    for shape in sorted(GOAL_SHAPES):
-        best = max(r["fraction_of_peak"] for r in rows if tuple(r["shape"]) == shape)
-        verdict[f"{shape[0]}x{shape[1]} >= {GOAL:.0%} of peak"] = best >= GOAL
-    return verdict
 
 
 def output_path(args: argparse.Namespace) -> Path:
@@ -186,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
             print(f"{shape} batch {batch} compiled={compiled}: {rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
     verdict = goal_verdict(rows)
-    print(format_table(peak["tflops"], rows))
+    print(format_table(peak["tflops"], rows, PEAK_N))
     ok = all(verdict.values()) and all(r["finite"] for r in rows)
     print(
         ("PASS: " if ok else "FAIL: ") + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in verdict.items())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -123,31 +124,58 @@ def test_keep_last_keeps_the_newest_step_and_the_one_just_saved(tmp_path: Path) 
 # ----------------------------------------------------------------------------------- the manifest
 
 
-def test_every_flipped_bit_and_byte_of_the_manifest_is_refused(tmp_path: Path) -> None:
-    """Every byte: its 8 single-bit flips, all bits flipped, and each JSON whitespace in its place.
-    ``extra`` holds what JSON can spell two ways (``1e-05`` / ``1E-05``, ``\u00e9`` / ``\u00e9``), so
-    a flip can give the same content in other bytes: refused too, the file is not the one written."""
+def _flips(tmp_path: Path) -> tuple[Path, bytes, list[tuple[int, int]]]:
+    """A saved step's folder, its manifest's bytes, and every change the flip tests make: each byte's
+    8 single-bit flips, all bits flipped, and each JSON whitespace in its place. ``extra`` holds
+    what JSON can spell two ways (``1e-05`` / ``1E-05``, ``\u00e9`` / ``\u00e9``), so a flip can
+    give the same content in other bytes: refused too, the file is not the one written."""
     model, opt = _net()
     extra = {"data_step": 7, "seed": [1, 2], "lr": 1e-05, "name": "é"}
     folder = ckpt.save_checkpoint(tmp_path, 1, model, opt, extra=extra)
-    path = folder / MANIFEST
-    good = path.read_bytes()
+    good = (folder / MANIFEST).read_bytes()
     assert read_manifest(folder)["extra"] == extra and b"1e-05" in good and b"\\u00e9" in good
     changed = [
         (i, v)
         for i in range(len(good))
-        for v in {good[i] ^ m for m in (1, 2, 4, 8, 16, 32, 64, 128, 255)} | set(b" \n\t\r")
+        for v in sorted({good[i] ^ m for m in (1, 2, 4, 8, 16, 32, 64, 128, 255)} | set(b" \n\t\r"))
         if v != good[i]
     ]
+    return folder, good, changed
+
+
+def _read_back(folder: Path, good: bytes, changed: list[tuple[int, int]]) -> None:
+    """Make each change in the written manifest (one byte, in place, then put back); none may read back."""
     silent = []
-    for i, value in changed:
-        path.write_bytes(good[:i] + bytes([value]) + good[i + 1 :])
-        try:
-            read_manifest(folder)
-        except ckpt.CheckpointError:
-            continue
-        silent.append((i, chr(good[i]), chr(value)))
+    with open(folder / MANIFEST, "r+b", buffering=0) as f:
+        for i, value in changed:
+            f.seek(i)
+            f.write(bytes([value]))
+            try:
+                read_manifest(folder)
+            except ckpt.CheckpointError:
+                continue
+            finally:
+                f.seek(i)
+                f.write(good[i : i + 1])
+            silent.append((i, chr(good[i]), chr(value)))
+    assert (folder / MANIFEST).read_bytes() == good
     assert not silent, f"{len(silent)} of {len(changed)} changed bytes read back, the first: {silent[:5]}"
+
+
+@pytest.mark.slow
+def test_every_flipped_bit_and_byte_of_the_manifest_is_refused(tmp_path: Path) -> None:
+    """Every change ``_flips`` lists (the fast tier runs a sample: the next test)."""
+    _read_back(*_flips(tmp_path))
+
+
+@pytest.mark.sample_of("test_every_flipped_bit_and_byte_of_the_manifest_is_refused")
+def test_a_sample_of_flipped_bits_and_bytes_of_the_manifest_is_refused(tmp_path: Path) -> None:
+    """The fast tier's share of the test above: 500 of its changes drawn with a fixed seed, and
+    every change of the bytes that spell ``1e-05`` and ``\u00e9``."""
+    folder, good, changed = _flips(tmp_path)
+    spelled = {good.index(b"1e-05") + j for j in range(5)} | {good.index(b"\\u00e9") + j for j in range(6)}
+    sample = set(random.Random(0).sample(changed, 500)) | {(i, v) for i, v in changed if i in spelled}
+    _read_back(folder, good, sorted(sample))
 
 
 def test_a_load_with_a_flipped_manifest_changes_nothing(tmp_path: Path) -> None:
@@ -176,12 +204,16 @@ def test_a_manifest_written_before_the_checksum_still_loads(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("case", ["tensor_extra", "step_key", "keep_last_0", "keep_last_-1"])
-def test_bad_arguments_raise_on_every_rank_before_any_collective(case: str, tmp_path: Path) -> None:
-    """Every rank raises the same error; then rank 0 alone tries again: a collective would leave it
-    waiting for rank 1, which has returned, and the call would time out."""
-    (both, alone), (both_on_1, alone_on_1) = run_ranks(bad_arguments, 2, str(tmp_path), case, timeout=TIMEOUT)
-    assert both == both_on_1 and both[0] == both[1] == alone and alone_on_1 is None, (both, alone)
+def test_bad_arguments_raise_on_every_rank_before_any_write(case: str, tmp_path: Path) -> None:
+    """Every rank raises the same error, whether every rank or rank 1 alone passed the bad value:
+    the local check's failure travels in the save's one agreement (``checks/together.py``) before
+    any file is written, so no rank is left waiting in the save's collectives."""
+    (both, alone) = run_ranks(bad_arguments, 2, str(tmp_path), case, timeout=TIMEOUT)[0]
+    assert both[0] == both[1] and alone[0] == alone[1], (both, alone)
     assert both[0][0] in ("TypeError", "ValueError"), both
+    # on rank 1 alone the value is also a disagreement, named first: "ranks disagree about extra: ..."
+    name = next(iter(ARGUMENTS[case]))
+    assert alone[0][0] == "ValueError" and f"ranks disagree about {name}" in alone[0][1], alone
     assert list(tmp_path.iterdir()) == []
 
 
@@ -193,18 +225,21 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
 }
 
 
-def bad_arguments(root: str, case: str) -> tuple[list[tuple[str, str]], tuple[str, str] | None]:
-    """Rank function: (every rank's error, gathered; the error of rank 0 alone, None on rank 1)."""
+def bad_arguments(root: str, case: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Rank function: every rank's error, gathered, with the bad value on every rank; then with it
+    on rank 1 alone."""
     model = build((dist.get_world_size(),))
     opt = Muon(split_params(model), lr=0.02)
 
-    def attempt() -> tuple[str, str]:
+    def attempt(bad: bool) -> tuple[str, str]:
         try:
-            ckpt.save_checkpoint(root, 1, model, opt, **ARGUMENTS[case])
+            ckpt.save_checkpoint(root, 1, model, opt, **(ARGUMENTS[case] if bad else {}))
         except Exception as e:  # noqa: BLE001 - the error is the result
             return type(e).__name__, str(e)
         return "ok", ""
 
     both: list[Any] = [None, None]
-    dist.all_gather_object(both, attempt())
-    return both, attempt() if dist.get_rank() == 0 else None
+    dist.all_gather_object(both, attempt(True))
+    alone: list[Any] = [None, None]
+    dist.all_gather_object(alone, attempt(dist.get_rank() == 1))
+    return both, alone

@@ -39,7 +39,7 @@ def _bufs(opt: Muon, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     return [opt.state[p]["momentum_buffer"] for p in params]
 
 
-@pytest.mark.parametrize("value", [torch.int8, torch.complex64, "bf16", 3, True])
+@pytest.mark.parametrize("value", [torch.int8, torch.complex64])
 def test_bad_values_are_refused_naming_value_and_fix(value: Any) -> None:
     with pytest.raises(ValueError, match=r"momentum_dtype should be None .* but is: .*; pass one of them"):
         Muon(_params(), momentum_dtype=value)
@@ -47,17 +47,59 @@ def test_bad_values_are_refused_naming_value_and_fix(value: Any) -> None:
         Muon([{"params": _params(), "momentum_dtype": value}])
 
 
+@pytest.mark.parametrize("value", ["bf16", "bfloat16", 3, True, 2.0])
+def test_values_that_are_no_dtype_are_refused(value: Any) -> None:
+    """A group stores the dtype's name, but what a user passes is a torch.dtype: the string
+    "bfloat16" was accepted and an int raised only by accident."""
+    with pytest.raises(ValueError, match=r"Muon\(momentum_dtype=...\) should be a torch.dtype .* but is"):
+        Muon(_params(), momentum_dtype=value)
+    with pytest.raises(ValueError, match=r"param group 0's 'momentum_dtype' should be a torch.dtype"):
+        Muon([{"params": _params(), "momentum_dtype": value}])
+
+
+def test_float16_momentum_is_refused_with_the_reason_and_bfloat16() -> None:
+    """fp16 momentum with gradients near 1e6 filled the buffer with inf and every parameter was NaN
+    six steps later, silently: float16 is refused wherever it is set, also on a group later."""
+    with pytest.raises(
+        ValueError, match=r"float16 is refused: float16 overflows to inf above 65,504.*torch.bfloat16"
+    ):
+        Muon(_params(), momentum_dtype=torch.float16)
+    opt = Muon(_params(), lr=0.02)
+    opt.param_groups[0]["momentum_dtype"] = torch.float16
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, 1e6)
+    with pytest.raises(ValueError, match=r"float16 is refused"):
+        opt.step()
+
+
+def test_a_load_that_would_overflow_the_narrower_dtype_is_refused_before_anything_changes() -> None:
+    """A float64 buffer beyond bfloat16's range: converting it at load would make inf values."""
+    names = ["w0", "w1", "w2"]
+    source = Muon(list(zip(names, _params(dtype=torch.float64))), lr=0.02)
+    source.state[source.param_groups[0]["params"][1]]["momentum_buffer"].fill_(1e300)
+    saved = source.state_dict()
+    target = Muon(list(zip(names, _params(dtype=torch.float64))), lr=0.02, momentum_dtype=torch.bfloat16)
+    before = [b.clone() for b in _bufs(target, target.param_groups[0]["params"])]
+    with pytest.raises(
+        ValueError,
+        match=r"momentum buffer of 'w1': converting it from float64 to .* bfloat16 would turn \d+ finite value",
+    ):
+        target.load_state_dict(saved)
+    after = _bufs(target, target.param_groups[0]["params"])
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "nothing was loaded"
+
+
 def test_an_adamw_group_of_its_own_is_refused_an_inherited_default_is_not() -> None:
     params = _params()
     with pytest.raises(ValueError, match=r"param group 1 is an AdamW group and sets 'momentum_dtype'"):
-        Muon(
-            [
-                {"params": params[:2]},
-                {"params": params[2:], "algorithm": "adamw", "momentum_dtype": "bfloat16"},
-            ]
-        )
+        groups: list[dict[str, Any]] = [
+            {"params": params[:2]},
+            {"params": params[2:], "algorithm": "adamw", "momentum_dtype": "bfloat16"},
+        ]
+        Muon(groups)
     bias = nn.Parameter(torch.zeros(5))
-    opt = Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], momentum_dtype=torch.bfloat16)
+    both: list[dict[str, Any]] = [{"params": params}, {"params": [bias], "algorithm": "adamw"}]
+    opt = Muon(both, momentum_dtype=torch.bfloat16)
     assert opt.state[bias]["exp_avg"].dtype == torch.float32  # AdamW keeps the parameter's dtype
     assert all(b.dtype == torch.bfloat16 for b in _bufs(opt, params))
 
@@ -67,7 +109,7 @@ def test_an_adamw_group_of_its_own_is_refused_an_inherited_default_is_not() -> N
     [
         (None, None, torch.float32),
         (torch.bfloat16, "bfloat16", torch.bfloat16),
-        ("float16", "float16", torch.float16),
+        (torch.float32, "float32", torch.float32),
         (torch.float64, "float64", torch.float64),
     ],
 )

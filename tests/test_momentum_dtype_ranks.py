@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_dtensor.checkpoint as ckpt
@@ -85,7 +86,9 @@ def sharded_vs_one_process() -> dict[str, Any]:
             ],
             "momentum": [i for i, (b, r) in enumerate(zip(bufs, ref_bufs)) if not torch.equal(full(b), r)],
             "laid_out": all(
-                isinstance(b, DTensor) and b.placements == p.placements and b.dtype == torch.bfloat16
+                isinstance(b, DTensor)
+                and b.placements == getattr(p, "placements", None)
+                and b.dtype == torch.bfloat16
                 for b, p in zip(bufs, params[: len(SHAPES)])
             ),
         }
@@ -94,7 +97,7 @@ def sharded_vs_one_process() -> dict[str, Any]:
 
 def _model(mesh: bool, dtype: str | None, seed: int = 0) -> tuple[nn.Module, Muon]:
     model = build((dist.get_world_size(),) if mesh else None, seed=seed)
-    return model, Muon(split_params(model), lr=0.02, momentum_dtype=dtype)
+    return model, Muon(split_params(model), lr=0.02, momentum_dtype=getattr(torch, dtype) if dtype else None)
 
 
 def _run(model: nn.Module, opt: Muon, steps: range) -> None:
@@ -113,7 +116,11 @@ def save_after(root: str, dtype: str | None) -> dict[str, Any]:
     _run(model, opt, range(SAVED))
     ckpt.save_checkpoint(root, SAVED, model, opt)
     metadata = read_metadata(step_dir(root, SAVED)).state_dict_metadata
-    stored = {str(m.properties.dtype) for k, m in metadata.items() if k.endswith(".momentum_buffer")}
+    stored = {
+        str(cast(TensorStorageMetadata, m).properties.dtype)
+        for k, m in metadata.items()
+        if k.endswith(".momentum_buffer")
+    }
     return {"state": _snapshot(model, opt), "stored": stored}
 
 

@@ -1,7 +1,8 @@
 """Arguments of a collective load that must be the same on every rank, checked in one object
 gather before anything is read: one rank's ``optimizer_state='fresh'``, a missing optimizer, a
 missing file or name, would otherwise load half the state on some ranks and raise or hang on
-others. ``same_groups`` does the same for a save: every rank must hold the same param groups."""
+others. ``agree_save`` does the same for a save: its arguments, and the param groups every rank
+must hold alike. Both go through ``checks/together.py``, the library's one agreement primitive."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.optim import Optimizer
 
 from ..checks.together import raise_together
 
-__all__ = ["agree", "same_groups"]
+__all__ = ["agree", "agree_save"]
 
 T = TypeVar("T")
 
@@ -38,11 +39,19 @@ def agree(
     return value  # type: ignore[return-value]
 
 
-def same_groups(model: nn.Module, optimizer: Optimizer | None, group: dist.ProcessGroup | None) -> None:
-    """One gather before a save: a checkpoint keys param groups by their index, so ranks whose
-    optimizers hold other parameters (pipeline stages, one optimizer per model part) would overwrite
-    each other's groups and write a checkpoint no run could load. Raises the same ValueError on
-    every rank, before any file is written."""
+def agree_save(
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    group: dist.ProcessGroup | None,
+    check: Callable[[], T],
+    call: str = "save_checkpoint",
+    **arguments: Any,
+) -> T:
+    """Before a save writes anything: ``check()`` (the local checks) on every rank, then one
+    ``raise_together`` over the group carrying the failures, the arguments (step, root, extra, ...)
+    and the param groups every rank must share. A checkpoint keys param groups by their index, so
+    ranks whose optimizers hold other parameters (pipeline stages, one optimizer per model part)
+    would overwrite each other's groups; that difference gets its own message. Returns ``check()``."""
     names = {id(p): n for n, p in model.named_parameters()}
     mine = [
         [names.get(id(p), "?") for p in g["params"]] for g in (optimizer.param_groups if optimizer else [])
@@ -52,14 +61,22 @@ def same_groups(model: nn.Module, optimizer: Optimizer | None, group: dist.Proce
         f"group {i}: {len(g)} parameter(s), the first {g[0] if g else None}" for i, g in enumerate(mine)
     )
     try:
-        raise_together(None, group, "save_checkpoint", {"param groups": summary, "their parameters": digest})
+        value, error = check(), None
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        value, error = None, e
+    facts = {"param groups": summary, "their parameters": digest, **arguments}
+    try:
+        raise_together(error, group, call, facts, "Nothing was saved")
     except ValueError as e:
-        why = str(e).split(". Pass the same")[0].removeprefix("save_checkpoint: ranks disagree about ")
+        if "param groups:" not in str(e) and "their parameters:" not in str(e):
+            raise
+        why = str(e).split(". Pass the same")[0].removeprefix(f"{call}: ranks disagree about ")
         raise ValueError(
-            f"save_checkpoint: the ranks' optimizers hold different param groups ({why}), as pipeline "
+            f"{call}: the ranks' optimizers hold different param groups ({why}), as pipeline "
             "stages do (one optimizer per model part). This checkpoint keys param groups by their index, "
             "so one rank's groups would overwrite another's and no run could load it; nothing was saved. "
             "Save pipeline stages with torch.distributed.checkpoint and per-parameter optimizer keys "
             "(StateDictOptions(flatten_optimizer_state_dict=True)), as docs/torchtitan.md ('Pipeline "
             "parallelism') shows"
         ) from None
+    return value  # type: ignore[return-value]

@@ -39,7 +39,7 @@ from ..sharding.runtime import groups
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
-from .agree import agree, same_groups
+from .agree import agree, agree_save
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -144,8 +144,10 @@ def save_checkpoint(
     step is never overwritten; ``keep_last`` (None or at least 1) deletes older complete steps. Any
     failure raises the same error on every rank, and leaves no half-published step.
     """
-    extra = _check_arguments(step, extra, keep_last)
-    same_groups(model, optimizer, process_group)
+    extra = agree_save(
+        model, optimizer, process_group, lambda: _check_arguments(step, extra, keep_last),
+        root=str(root), step=step, extra=extra, keep_last=keep_last,
+    )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group)
     solo = _solo()
 
@@ -197,8 +199,10 @@ def async_save_checkpoint(
     """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
     ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
     the same step, or another async save, before then raises on every rank."""
-    extra = _check_arguments(step, extra, keep_last)
-    same_groups(model, optimizer, process_group)
+    extra = agree_save(
+        model, optimizer, process_group, lambda: _check_arguments(step, extra, keep_last),
+        "async_save_checkpoint", root=str(root), step=step, extra=extra, keep_last=keep_last,
+    )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
     future = dcp.async_save(
@@ -274,6 +278,7 @@ def load_checkpoint(
         optimizer=None if optimizer is None else type(optimizer).__qualname__,
         optimizer_state=optimizer_state,
         step=step,
+        root=str(root),
     )
     chosen, error = collectives.broadcast_object(
         attempt(lambda: step if step is not None else latest_step(root)), process_group

@@ -28,6 +28,7 @@ __all__ = [
     "check_adamw_group",
     "check_adamw_momentum_dtype",
     "check_algorithm",
+    "check_momentum_dtype_argument",
     "check_flags",
     "check_group",
     "check_mode",
@@ -36,6 +37,7 @@ __all__ = [
     "check_params",
     "check_process_group",
     "check_round_bytes",
+    "precheck_group",
     "momentum_dtype_name",
     "ns_dtype_name",
     "resolve_ns_config",
@@ -46,7 +48,7 @@ Owners = Literal["auto", "mesh", "replica"]
 OWNERS: tuple[str, ...] = get_args(Owners)
 NSSplit = Literal["off", "auto"] | int
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-MOMENTUM_DTYPES = ("bfloat16", "float16", "float32", "float64")
+MOMENTUM_DTYPES = ("bfloat16", "float32", "float64")  # float16: refused (momentum_dtype_name)
 
 
 def _check_lr(lr: float | Tensor) -> None:
@@ -155,17 +157,35 @@ def ns_dtype_name(dtype: torch.dtype | str) -> str:
 
 def momentum_dtype_name(dtype: Any) -> str | None:
     """``momentum_dtype`` as the name a param group stores: None (the parameter's dtype) or a
-    floating dtype's name from ``MOMENTUM_DTYPES``."""
+    floating dtype's name from ``MOMENTUM_DTYPES``. float16 is refused: its range ends at 65,504,
+    so momentum of gradients near that size overflows to inf with no error, and every parameter it
+    touches turns NaN a few steps later; bfloat16 keeps float32's range in the same 2 bytes."""
     if dtype is None:
         return None
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, (str, torch.dtype)) and name == "float16":
+        raise ValueError(
+            "momentum_dtype=torch.float16 is refused: float16 overflows to inf above 65,504, so the "
+            "momentum of large gradients would become inf with no error and the parameters NaN a few "
+            "steps later. Pass torch.bfloat16 (the same 2 bytes, float32's range)"
+        )
     if isinstance(dtype, (str, torch.dtype)) and name in MOMENTUM_DTYPES:
         return name
     raise ValueError(
-        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float16, "
-        f"torch.float32 or torch.float64 but is: {dtype!r}; pass one of them (torch.bfloat16 halves "
-        "the momentum of float32 parameters)"
+        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float32 or "
+        f"torch.float64 but is: {dtype!r}; pass one of them (torch.bfloat16 halves the momentum of "
+        "float32 parameters)"
     )
+
+
+def check_momentum_dtype_argument(value: Any, where: str = "Muon(momentum_dtype=...)") -> None:
+    """What a user passes is a ``torch.dtype`` or None: a string, an int or anything else raises
+    (groups store the name, but a name is no argument)."""
+    if value is not None and not isinstance(value, torch.dtype):
+        raise ValueError(
+            f"{where} should be a torch.dtype (torch.bfloat16, torch.float32, torch.float64) or None "
+            f"but is {value!r} ({type(value).__name__}); pass the dtype itself, e.g. torch.bfloat16"
+        )
 
 
 def _check_adjust_lr(fn: Any) -> None:
@@ -320,6 +340,15 @@ def resolve_ns_config(
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
     per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
     return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
+
+
+def precheck_group(group: dict[str, Any], index: int) -> str:
+    """``Muon.add_param_group``'s checks of the user's own dict, before torch adds the defaults: its
+    algorithm (returned) and, where it sets one, its ``momentum_dtype``."""
+    check_adamw_momentum_dtype(group, index)
+    if "momentum_dtype" in group:  # the user's own value, not the stored default's name
+        check_momentum_dtype_argument(group["momentum_dtype"], f"param group {index}'s 'momentum_dtype'")
+    return check_algorithm(group)
 
 
 def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +35,12 @@ from .plan_cache import PlanCache
 from .state import (
     MOMENTUM,
     SECOND_MOMENT,
-    Conversion,
     StateWalks,
     follow_replaced,
     init_state,
     load_keeping,
     row_states,
+    warn_converted,
 )
 
 __all__ = ["ADAMW_DEFAULTS", "Muon"]
@@ -83,7 +82,7 @@ class Muon(Optimizer):
         adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
-        momentum_dtype: torch.dtype | str | None = None,
+        momentum_dtype: torch.dtype | None = None,
         ns_algorithm: NSAlgorithm = "standard",
         mode: Mode = "owner",
         process_group: ProcessGroup | None = None,
@@ -92,6 +91,7 @@ class Muon(Optimizer):
         ns_split: NSSplit = "off",
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
+        validation.check_momentum_dtype_argument(momentum_dtype)
         values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         defaults = dict(
             zip(_TORCH_KEYS, values),
@@ -117,8 +117,7 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        validation.check_adamw_momentum_dtype(param_group, len(self.param_groups))
-        if validation.check_algorithm(param_group) == "adamw":
+        if validation.precheck_group(param_group, len(self.param_groups)) == "adamw":
             param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
@@ -141,7 +140,7 @@ class Muon(Optimizer):
         converted with a warning, missing state created (``state.load_keeping``, docs/api.md)."""
         conversions = load_keeping(self, super().load_state_dict, state_dict)
         self._walks.invalidate()
-        _warn_converted(self.param_groups, conversions, "loaded")
+        warn_converted(self.param_groups, conversions, "loaded")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -153,8 +152,7 @@ class Muon(Optimizer):
         self.comm_stats.begin_step()
         configs, work = self._checks.run(self.param_groups, self._process_group)  # one sum per scope
         generation = self._checks.generation
-        found = self._walks.run(self.state, self.param_groups, self._params, generation)
-        _warn_converted(self.param_groups, found, "found")
+        self._walks.run(self.state, self.param_groups, self._params, generation)  # warns of conversions
         for i, g in enumerate(self.param_groups):  # set-up: its errors are raised on every rank together
             if configs[i] is not None:
                 self._sharding(i, g, generation)
@@ -170,9 +168,8 @@ class Muon(Optimizer):
     def _sharding(
         self, index: int, group: dict[str, Any], generation: int | None = None, local: bool = False
     ) -> GroupSharding:
-        """A Muon group's layouts, views and plans (``optim/plan_cache.py``): built (collectively) on
-        first use and again when its parameters or plan settings change. ``local`` (describe, memory
-        on one rank): the current plan if a step built it, else one built with no collective, not kept."""
+        """A Muon group's plans (``plan_cache.py``), built collectively when its parameters or plan
+        settings change; ``local`` (reports on one rank): built with no collective, not kept."""
         if generation is None:  # outside a step: the parameter set, locally
             generation = self._checks.param_set(self.param_groups, self._process_group)
 
@@ -207,25 +204,6 @@ class Muon(Optimizer):
 
     def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
         return report.describe(self)
-
-
-def _warn_converted(groups: list[dict[str, Any]], conversions: list[Conversion], when: str) -> None:
-    """Say which momentum buffers were converted to their group's ``momentum_dtype``, and how to
-    keep them as they were."""
-    if not conversions:
-        return
-    shown = [
-        f"'{param_names(groups[g], g)[i]}' {str(old).removeprefix('torch.')} -> {str(new).removeprefix('torch.')}"
-        for g, i, old, new in conversions
-    ]
-    more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
-    _, _, saved, _ = conversions[0]
-    warnings.warn(
-        f"momentum buffers {when} in another dtype than their group's momentum_dtype were converted "
-        f"to it (a narrower dtype rounds each value once; a wider one is exact): {', '.join(shown[:8])}{more}. "
-        f"To keep them as they were, set momentum_dtype={saved} for their group",
-        stacklevel=3,
-    )
 
 
 assert Muon.__doc__ is not None

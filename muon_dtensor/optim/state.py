@@ -4,6 +4,7 @@ counters brought back to the host after a load."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..sharding.plan.param_layout import relayout, row_state_zeros
+from ..checks.names import param_names
+from ..sharding.plan.param_layout import local_of, relayout, row_state_zeros
 
 __all__ = [
     "MOMENTUM",
@@ -28,6 +30,7 @@ __all__ = [
     "restore_keys",
     "settle_loaded",
     "take_momentum",
+    "warn_converted",
 ]
 
 MOMENTUM = "momentum_buffer"  # torch.optim.Muon's state key
@@ -111,10 +114,39 @@ def load_keeping(
     checkpoint lacks, created. Returns the buffers converted to their group's ``momentum_dtype``."""
     kept = own_keys(opt.param_groups)
     without, buffers = take_momentum(state_dict)
+    refuse_overflow(state_dict["param_groups"], opt.param_groups, buffers)
     load(without)
     restore_keys(opt.param_groups, kept)
     put_momentum(opt.state, state_dict["param_groups"], opt.param_groups, buffers)
     return settle_loaded(opt.state, opt.param_groups)
+
+
+def refuse_overflow(
+    saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]], buffers: dict
+) -> None:
+    """Before anything is loaded: a saved momentum buffer whose conversion to its group's
+    ``momentum_dtype`` would turn finite values into inf (float64 or float32 values beyond the
+    narrower dtype's range) is refused, naming the buffer and the count of this rank's shard."""
+    where = {id(p): (k, i) for k, g in enumerate(groups) for i, p in enumerate(g["params"])}
+    saved = chain.from_iterable(g["params"] for g in saved_groups)
+    ids = dict(zip(saved, chain(*(g["params"] for g in groups))))
+    for key, buf in buffers.items():
+        p = ids.get(key)
+        if p is None or not isinstance(buf, Tensor):
+            continue
+        k, i = where[id(p)]
+        dtype, local = momentum_dtype(groups[k], p), local_of(buf)
+        if dtype == local.dtype or not local.is_floating_point():
+            continue
+        lost = int((local.isfinite() & ~local.to(dtype).isfinite()).sum())
+        if lost:
+            name = param_names(groups[k], k)[i]
+            raise ValueError(
+                f"momentum buffer of '{name}': converting it from {str(local.dtype).removeprefix('torch.')} "
+                f"to its group's momentum_dtype {str(dtype).removeprefix('torch.')} would turn {lost} finite "
+                f"value(s) of this rank's shard into inf; nothing was loaded. Keep momentum_dtype="
+                f"{local.dtype} for its group, or load into an optimizer that keeps it"
+            )
 
 
 def own_keys(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -204,4 +236,26 @@ class StateWalks:
             c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))
         ]
         self._key = key
+        warn_converted(groups, converted, "found", stacklevel=4)  # at the user's opt.step()
         return converted
+
+
+def warn_converted(
+    groups: Sequence[Mapping[str, Any]], conversions: list[Conversion], when: str, stacklevel: int = 3
+) -> None:
+    """Say which momentum buffers were converted to their group's ``momentum_dtype``, and how to
+    keep them as they were."""
+    if not conversions:
+        return
+    shown = [
+        f"'{param_names(groups[g], g)[i]}' {str(old).removeprefix('torch.')} -> {str(new).removeprefix('torch.')}"
+        for g, i, old, new in conversions
+    ]
+    more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
+    _, _, saved, _ = conversions[0]
+    warnings.warn(
+        f"momentum buffers {when} in another dtype than their group's momentum_dtype were converted "
+        f"to it (a narrower dtype rounds each value once; a wider one is exact): {', '.join(shown[:8])}{more}. "
+        f"To keep them as they were, set momentum_dtype={saved} for their group",
+        stacklevel=stacklevel,
+    )

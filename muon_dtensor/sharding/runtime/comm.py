@@ -157,7 +157,10 @@ def releasing_peers() -> Iterator[None]:
         yield
     except BaseException as e:
         report_failure(e)
-        _remember(f"rank {dist.get_rank() if dist.is_initialized() else 0} raised {type(e).__name__}: {e}")
+        _remember(
+            _first_failure()
+            or f"rank {dist.get_rank() if dist.is_initialized() else 0} raised {type(e).__name__}: {e}"
+        )
         raise
 
 
@@ -169,6 +172,17 @@ _FAILED: list[tuple[Any, str]] = []
 def _remember(text: str) -> None:
     if dist.is_available() and dist.is_initialized() and not _FAILED:
         _FAILED.append((dist.distributed_c10d._get_default_group(), text[:2000]))
+
+
+def _first_failure() -> str | None:
+    """The job's first recorded failure (the store's), or None; best effort."""
+    try:
+        store = _store()
+        if store is not None and store.check([FAILED_KEY]):
+            return str(store.get(FAILED_KEY).decode(errors="replace"))
+    except Exception:  # noqa: BLE001 - the store may have died with the failing rank
+        pass
+    return None
 
 
 def job_failure() -> str | None:

@@ -1,0 +1,138 @@
+"""``benchmarks/gpu_check.py``, the one prepared GPU check, on CPU: ``--dry-run`` runs every part
+with tiny shapes and writes one JSON file with a status per part; the parts that run on CPU
+produce numbers (a: the batch-independence comparisons, b: the flops arithmetic, c: the op
+counts), the CUDA-only ones say why they were skipped, and the full run's printed estimate fits
+the 8 minutes the check is sized for."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.gpucheck.estimate import estimate, fit_budget, full_settings
+from benchmarks.gpucheck.ns_speed import ns_config
+from muon_dtensor.numerics.newton_schulz import ns_flops, orthogonalize_flops
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+STATUSES = {"ok", "skipped", "error"}
+
+
+def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dry_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = run_script("--dry-run", out=out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "gpu_check.json").read_text())
+
+
+def test_every_part_has_a_status(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    _, payload = dry_run
+    parts = payload["parts"]
+    assert sorted(parts) == ["a", "b", "c", "d", "e"]
+    for key, entry in parts.items():
+        assert entry["status"] in STATUSES, key
+        assert entry["seconds"] >= 0
+        assert entry["status"] != "error", entry.get("error")
+    assert payload["dry_run"] is True
+    assert payload["full_run_estimate"]["assumed_bf16_tflops"] > 0
+
+
+def test_batch_independence_compares_every_batch_and_position(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    result = dry_run[1]["parts"]["a"]["result"]
+    assert result["shapes_checked"] == len(result["rows"]) == 3
+    for row in result["rows"].values():
+        assert isinstance(row["batch_independent"], bool)
+        assert set(row["batches"]) == {"2", "4", "8"}
+        for entry in row["batches"].values():
+            assert set(entry["vs_lone"]) == {"first", "middle", "last"}
+            for cmp in entry["vs_lone"].values():
+                assert isinstance(cmp["equal"], bool) and math.isfinite(cmp["max_abs_diff"])
+        assert isinstance(row["torch_optim_muon"]["equal"], bool)
+
+
+def test_ns_speed_rows_hold_the_flops_arithmetic(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    result = dry_run[1]["parts"]["b"]["result"]
+    peak = result["peak"]
+    assert peak["tflops"] == pytest.approx(
+        2 * peak["n"] ** 3 / (statistics.median(peak["times_ms"]) * 1e-3) / 1e12
+    )
+    rows = result["rows"]
+    assert {r["algorithm"] for r in rows} == {"standard", "gram"}
+    for r in rows:
+        shape = tuple(r["shape"])
+        assert r["flops_per_matrix"] == orthogonalize_flops(shape, ns_config(r["algorithm"]))
+        assert r["tflops"] == pytest.approx(
+            r["batch"] * r["flops_per_matrix"] / (r["median_ms"] * 1e-3) / 1e12
+        )
+        standard = r["batch"] * ns_flops(shape, 5) / (r["median_ms"] * 1e-3) / 1e12
+        assert r["standard_equivalent_tflops"] == pytest.approx(standard)
+        assert r["fraction_of_peak"] == pytest.approx(r["tflops"] / peak["tflops"])
+        assert r["finite"]
+
+
+def test_step_part_counts_ops_and_host_time(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    result = dry_run[1]["parts"]["c"]["result"]
+    assert result["host_model_us_per_op"] == pytest.approx(5.0)
+    assert set(result["contenders"]) == {"muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused"}
+    for label, row in result["contenders"].items():
+        assert "error" not in row, row
+        assert row["ops"] > 0, label
+        assert row["host_ms"] > 0 and row["host_us_per_op"] > 0
+        assert row["device_ms"] is None  # no CUDA events on CPU
+        assert "skipped" in row["sync_check"]
+    assert result["contenders"]["muon_dtensor.Muon"]["top_op_names"]
+
+
+def test_cuda_only_parts_are_skipped_with_a_reason(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    parts = dry_run[1]["parts"]
+    d, e = parts["d"], parts["e"]
+    assert d["status"] == "skipped" and "CUDA" in d["reason"], d
+    assert all(d["result"]["replay_equals_eager_per_step"]), d  # the harness, with eager steps
+    assert e["status"] == "skipped" and "NCCL" in e["reason"], e
+    runs = e["result"]["runs"]
+    assert len(runs) == 4 and all(r.get("bitwise_equal") for r in runs.values()), runs  # the harness on gloo
+
+
+def test_printed_full_run_estimate_fits_eight_minutes(dry_run: tuple[Any, dict[str, Any]]) -> None:
+    proc, payload = dry_run
+    found = re.search(r"estimate for the full run: (\d+) s", proc.stdout)
+    assert found, proc.stdout[:2000]
+    assert int(found.group(1)) < 480
+    assert payload["full_run_estimate"]["total_s"] < 480
+    assert "| part | status |" in proc.stdout
+
+
+def test_budget_trims_repetitions_first_then_compiles() -> None:
+    assert not fit_budget(full_settings(420.0, compile=True)).trims  # the default fits as it is
+    tight = fit_budget(full_settings(230.0, compile=True))
+    assert tight.compile and tight.reps < 10 and estimate(tight)["total_s"] <= 230.0
+    tighter = fit_budget(full_settings(150.0, compile=True))
+    assert not tighter.compile and estimate(tighter)["total_s"] <= 150.0
+    assert tighter.trims == ["compile: True -> False"]  # fewer repetitions no longer needed
+
+
+def test_full_run_without_cuda_exits_2(tmp_path: Path) -> None:
+    proc = run_script(out=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
