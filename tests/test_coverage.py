@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def _logged_on_ranks() -> int:
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler.emit = records.append  # type: ignore[method-assign, assignment]
     logger = logging.getLogger("muon_dtensor")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -92,7 +93,7 @@ def test_no_muon_matrix_is_refused() -> None:
 def test_flattened_linear_weights_are_refused() -> None:
     """ZeRO-style flattening: a Linear's weight held as a 1-D shard."""
     model = Net()
-    layer = model.layers[1]
+    layer = cast(nn.Linear, model.layers[1])
     layer.weight = nn.Parameter(layer.weight.detach().reshape(-1)[:50].clone())
     with pytest.raises(ValueError, match=r"flat 1-D shards: layers\.1\.weight .*\(50,\).*fully_shard"):
         split_params(model)
@@ -112,3 +113,33 @@ def _fsdp1_split() -> str:
 def test_fsdp1_flat_parameter_is_refused() -> None:
     (message,) = run_ranks(_fsdp1_split, 1, timeout=TIMEOUT)
     assert "FlatParameter" in message and "_flat_param" in message and "fully_shard" in message
+
+
+def _reports_on_rank_zero_only() -> dict[str, object]:
+    """``if rank == 0: log(opt.describe(), opt.memory())`` before the first step, the usual way to log
+    (it hung both ranks when describe built the plan collectively); then every rank steps."""
+    import torch.distributed as dist
+
+    from tests.models import build
+
+    model = build((2,))
+    opt = Muon(split_params(model), lr=0.02)
+    before: dict[str, object] = {}
+    if dist.get_rank() == 0:
+        before = {"describe": opt.describe(), "memory": opt.memory(), "metrics": opt.metrics()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    after = {"describe": opt.describe(), "memory": opt.memory()} if dist.get_rank() == 0 else {}
+    return {"before": before, "after": after}
+
+
+def test_describe_and_memory_on_one_rank_before_the_first_step_are_local() -> None:
+    """Local: the plan a report needs before any step is built on that rank alone (no group made, no
+    vote), and equals what the first step then builds: the same table and the same figures."""
+    first, second = run_ranks(_reports_on_rank_zero_only, 2, timeout=TIMEOUT)
+    assert second == {"before": {}, "after": {}}
+    before, after = first["before"], first["after"]
+    assert isinstance(before, dict) and isinstance(after, dict)
+    assert "2 ranks" in str(before["describe"]) and before["describe"] == after["describe"]
+    assert before["memory"] == after["memory"]
