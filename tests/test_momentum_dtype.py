@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from muon_dtensor import Muon
+from muon_dtensor import Muon, split_params
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 
 SHAPES = [(37, 24), (24, 37), (16, 16)]
@@ -240,3 +240,40 @@ def test_a_replaced_parameter_keeps_the_buffers_dtype() -> None:
     opt.param_groups[0]["params"][0] = swapped
     state = opt.state_dict()["state"][0]["momentum_buffer"]
     assert state.dtype == torch.bfloat16 and torch.equal(state, kept)
+
+
+def test_the_conversion_warning_points_at_the_users_line() -> None:
+    """It pointed at a line of the package (checkpoint/publish.py, optim/state.py): now at the call
+    the user wrote, through torch's step hooks too."""
+    params = _params()
+    opt = Muon(params, lr=0.02)
+    _step(opt, params, 0)
+    opt.param_groups[0]["momentum_dtype"] = torch.bfloat16
+    for p, g in zip(params, _grads(1)):
+        p.grad = g
+    with pytest.warns(UserWarning, match="found in another dtype") as seen:
+        opt.step()
+    assert [w.filename for w in seen] == [__file__]
+
+
+def _warned_on_each_rank() -> int:
+    import warnings
+
+    from tests.models import build
+
+    model = build((2,))
+    opt = Muon(split_params(model), lr=0.02)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[0]["momentum_dtype"] = torch.bfloat16  # on every rank alike
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.step()
+    return sum("found in another dtype" in str(w.message) for w in seen)
+
+
+def test_a_warning_every_rank_would_print_is_printed_once_per_job() -> None:
+    from tests.ranks import run_ranks
+
+    assert run_ranks(_warned_on_each_rank, 2, timeout=60) == [1, 0]

@@ -9,13 +9,14 @@ checkpoint's metadata before anything is read, so it is said before the load app
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..checks.warn import warn
 
 __all__ = ["converted_momentum", "warn_converted_momentum"]
 
@@ -44,12 +45,11 @@ def warn_converted_momentum(folder: Path, metadata: Metadata, flat_state: Mappin
         return
     shown = ", ".join(f"'{n}' {a} -> {b}" for n, a, b in converted[:8])
     more = f" and {len(converted) - 8} more" if len(converted) > 8 else ""
-    warnings.warn(
+    warn(
         f"{folder}: momentum buffers saved in another dtype than this optimizer's momentum_dtype are "
         f"converted as they load (a narrower dtype rounds each value once; a wider one is exact): "
         f"{shown}{more}. To keep them as saved, build Muon with momentum_dtype=torch.{converted[0][1]} "
         "for their group",
-        stacklevel=4,
     )
 
 

@@ -5,7 +5,6 @@ communication."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from ..sharding.plan.compat import _StridedShard
 from ..sharding.plan.param_layout import check_placements
 from .names import not_heads
+from .warn import warn
 
 __all__ = ["check_params"]
 
@@ -67,12 +67,12 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
             if group.get("normuon", False):
                 _check_normuon_param(p, name, group)
     if muon and group.get("head_dim") and (suspects := not_heads(names)):
-        warnings.warn(
+        warn(
             f"head_dim={group['head_dim']} is set on a group holding {suspects}, whose rows are not "
             "attention heads (an output projection or MLP): each block of head_dim rows is "
             "orthogonalized alone, which changes their update. Put only the q, k, v projections in "
             "the head_dim group: split_params(model, head_dim=d) builds it",
-            stacklevel=4,
+            every_rank=True,
         )
 
 

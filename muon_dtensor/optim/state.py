@@ -4,7 +4,6 @@ counters brought back to the host after a load."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..checks.names import param_names
+from ..checks.warn import warn
 from ..sharding.plan.param_layout import local_of, relayout, row_state_zeros
 
 __all__ = [
@@ -236,13 +236,11 @@ class StateWalks:
             c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))
         ]
         self._key = key
-        warn_converted(groups, converted, "found", stacklevel=4)  # at the user's opt.step()
+        warn_converted(groups, converted, "found")
         return converted
 
 
-def warn_converted(
-    groups: Sequence[Mapping[str, Any]], conversions: list[Conversion], when: str, stacklevel: int = 3
-) -> None:
+def warn_converted(groups: Sequence[Mapping[str, Any]], conversions: list[Conversion], when: str) -> None:
     """Say which momentum buffers were converted to their group's ``momentum_dtype``, and how to
     keep them as they were."""
     if not conversions:
@@ -253,9 +251,8 @@ def warn_converted(
     ]
     more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
     _, _, saved, _ = conversions[0]
-    warnings.warn(
+    warn(
         f"momentum buffers {when} in another dtype than their group's momentum_dtype were converted "
         f"to it (a narrower dtype rounds each value once; a wider one is exact): {', '.join(shown[:8])}{more}. "
         f"To keep them as they were, set momentum_dtype={saved} for their group",
-        stacklevel=stacklevel,
     )
