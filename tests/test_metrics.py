@@ -8,6 +8,7 @@ logit after clipping is at most the threshold.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,8 @@ def test_one_process_figures() -> None:
     gen = torch.Generator().manual_seed(0)
     params = _params(gen)
     bias = nn.Parameter(torch.randn(4, generator=gen))
-    opt = Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], lr=LR, weight_decay=WD)
+    groups: list[dict[str, Any]] = [{"params": params}, {"params": [bias], "algorithm": "adamw"}]
+    opt = Muon(groups, lr=LR, weight_decay=WD)
     for p in [*params, bias]:
         p.grad = torch.randn(p.shape, generator=gen)
     before = [p.detach().clone() for p in params]
@@ -64,17 +66,71 @@ def fsdp_figures() -> tuple[dict[str, float], float]:
         p.grad = distribute_like(p, torch.randn(p.shape, generator=gen))
     before = [full(p.detach()).clone() for p in params]
     opt.step()
-    return opt.metrics(), _measured_rms(before, [full(p.detach()) for p in params])
+    mine, job = opt.metrics(), opt.metrics(reduce=True)
+    return mine, _measured_rms(before, [full(p.detach()) for p in params]), job
 
 
 def test_two_ranks_add_up_to_the_whole_update() -> None:
     results = run_ranks(fsdp_figures, 2, timeout=120)
-    squares = sum(m["muon/update_rms"] ** 2 * m["muon/update_elements"] for m, _ in results)
-    elements = sum(m["muon/update_elements"] for m, _ in results)
+    squares = sum(m["muon/update_rms"] ** 2 * m["muon/update_elements"] for m, _, _ in results)
+    elements = sum(m["muon/update_elements"] for m, _, _ in results)
     assert elements == sum(math.prod(s) for s in SHAPES)
     assert math.isclose(math.sqrt(squares / elements), results[0][1], rel_tol=1e-4)
-    assert sum(m["muon/orthogonalized"] for m, _ in results) == len(SHAPES)  # once in the world
-    assert all(m["muon/collectives"] >= 2 and m["muon/bytes_sent"] > 0 for m, _ in results)
+    assert sum(m["muon/orthogonalized"] for m, _, _ in results) == len(SHAPES)  # once in the world
+    assert all(m["muon/collectives"] >= 2 and m["muon/bytes_sent"] > 0 for m, _, _ in results)
+
+
+def test_reduce_gives_every_rank_the_jobs_figures() -> None:
+    """``metrics(reduce=True)``: the update RMS of the whole model, not rank 0's pieces (a rank 0 log
+    missed the rest), the counts summed; the same dict on every rank."""
+    results = run_ranks(fsdp_figures, 2, timeout=120)
+    (_, measured, job), (_, _, job_1) = results
+    assert job == job_1
+    assert math.isclose(job["muon/update_rms"], measured, rel_tol=1e-4)
+    assert job["muon/update_elements"] == sum(math.prod(s) for s in SHAPES)
+    assert job["muon/orthogonalized"] == len(SHAPES)
+    assert job["muon/bytes_sent"] == sum(m["muon/bytes_sent"] for m, _, _ in results)
+
+
+def test_every_key_says_whether_it_is_this_ranks_or_the_jobs() -> None:
+    from muon_dtensor.optim.report import METRIC_SCOPES
+
+    gen = torch.Generator().manual_seed(0)
+    params = _params(gen)
+    opt = Muon(params, lr=LR)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    assert set(opt.metrics()) <= set(METRIC_SCOPES) and set(METRIC_SCOPES.values()) == {"rank", "job"}
+
+
+def test_the_trainer_mixin_logs_the_jobs_figures_through_accelerates_wrapper() -> None:
+    """Under the HF Trainer, ``trainer.optimizer`` is accelerate's wrapper, without ``metrics()``:
+    ``LogMuonMetrics`` unwraps it and adds the figures to each training log."""
+    from muon_dtensor.integrations.hf import LogMuonMetrics
+
+    gen = torch.Generator().manual_seed(0)
+    params = _params(gen)
+    opt = Muon(params, lr=LR)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    logged: list[dict[str, float]] = []
+
+    class Wrapper:  # as accelerate's AcceleratedOptimizer holds the optimizer
+        optimizer = opt
+
+    class Base:
+        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            logged.append(dict(logs))
+
+    class Trainer(LogMuonMetrics, Base):
+        optimizer = Wrapper()
+
+    Trainer().log({"loss": 1.0})
+    Trainer().log({"eval_loss": 1.0})
+    assert logged[0]["loss"] == 1.0 and logged[0]["muon/update_rms"] == opt.metrics()["muon/update_rms"]
+    assert "muon/update_rms" not in logged[1]
 
 
 def test_qk_clip_figures() -> None:

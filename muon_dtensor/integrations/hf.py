@@ -17,7 +17,7 @@ from torch import nn
 from ..optim.optimizer import Muon
 from ..optim.param_groups import split_params
 
-__all__ = ["FsdpOnCpu", "MuonForTrainer"]
+__all__ = ["FsdpOnCpu", "LogMuonMetrics", "MuonForTrainer"]
 
 _SPLIT_KEYS = frozenset(inspect.signature(split_params).parameters) - {"model"}
 
@@ -50,6 +50,22 @@ class FsdpOnCpu:
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         _keep_fsdp_on_cpu(self)
+
+
+class LogMuonMetrics:
+    """Mixin: ``class MyTrainer(LogMuonMetrics, transformers.Trainer)``. Every training log (the one
+    with ``"loss"``) also carries ``Muon.metrics(reduce=True)``, the job's figures, so the Trainer's
+    own loggers (TensorBoard, wandb) report them. accelerate wraps the optimizer
+    (``trainer.optimizer.optimizer`` is the ``Muon``); this unwraps it. Collective, as the Trainer's
+    ``log`` is: it runs on every rank (the Trainer gathers the loss there too)."""
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        opt = getattr(self, "optimizer", None)
+        while opt is not None and not isinstance(opt, Muon) and hasattr(opt, "optimizer"):
+            opt = opt.optimizer  # accelerate's AcceleratedOptimizer, and any other wrapper
+        if isinstance(opt, Muon) and "loss" in logs:
+            logs.update(opt.metrics(reduce=True))
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
 
 def _keep_fsdp_on_cpu(trainer: Any) -> None:

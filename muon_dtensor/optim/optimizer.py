@@ -54,7 +54,7 @@ _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_siz
 _NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
 
 
-class Muon(Optimizer):
+class Muon(report.Reports, Optimizer):
     r"""Muon (momentum orthogonalized by Newton-Schulz) for plain tensors and DTensors.
 
     The algorithm of torch.optim.Muon, per 2-D matrix :math:`\theta` with gradient :math:`g_t`::
@@ -195,15 +195,6 @@ class Muon(Optimizer):
             else None,
             base=self._orthogonalize,
         )
-
-    def memory(self) -> dict[str, int]:  # state bytes per kind, "peak_transient" of a step
-        return report.memory(self)
-
-    def metrics(self, qk_clip: Any = None) -> dict[str, float]:  # the last step's, this rank's
-        return report.metrics(self, qk_clip)
-
-    def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
-        return report.describe(self)
 
 
 assert Muon.__doc__ is not None

@@ -15,17 +15,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks.names import param_names, refusal
+from ..checks.together import raise_together
 from ..features.qk_clip import QKClipFactors
 from ..sharding.plan.memory import group_peak
 from ..sharding.plan.param_layout import local_of
 from ..sharding.plan.views import whole_matrix
+from ..sharding.runtime import comm
 from ..sharding.runtime.comm import CommStats
 from .group_sharding import GroupSharding
 from .plan_cache import PlanCache
 from .policy import split_policy
 from .state import SECOND_MOMENT, momentum_dtype
 
-__all__ = ["KINDS", "describe", "log_once", "memory", "metrics", "state_bytes"]
+__all__ = ["KINDS", "METRIC_SCOPES", "Reports", "describe", "log_once", "memory", "metrics", "state_bytes"]
 
 logger = logging.getLogger("muon_dtensor")
 
@@ -41,6 +43,21 @@ class OptimizerView(Protocol):
     def _sharding(
         self, index: int, group: dict[str, Any], generation: int | None = None, local: bool = False
     ) -> GroupSharding: ...
+
+
+class Reports:
+    """``Muon.memory``, ``Muon.metrics`` and ``Muon.describe``: local, but ``metrics(reduce=True)``."""
+
+    def memory(self) -> dict[str, int]:  # state bytes per kind, "peak_transient" of a step
+        return memory(self)  # type: ignore[arg-type]
+
+    def metrics(
+        self, qk_clip: Sequence[QKClipFactors] | None = None, reduce: bool = False, process_group: Any = None
+    ) -> dict[str, float]:  # the last step's figures: this rank's, or with reduce=True the job's
+        return metrics(self, qk_clip, reduce, process_group)  # type: ignore[arg-type]
+
+    def describe(self) -> str:  # algorithms, elements, matrices, owner balance, what AdamW got, why
+        return describe(self)  # type: ignore[arg-type]
 
 
 # State key -> the kind ``Muon.memory`` reports it under.
@@ -166,18 +183,42 @@ def log_once(opt: OptimizerView) -> None:
         logger.info("%s", describe(opt, build=False))
 
 
-def metrics(opt: OptimizerView, qk_clip: Sequence[QKClipFactors] | None = None) -> dict[str, float]:
-    """This rank's figures of the last step, flat, for a trainer's logger: the update's RMS over the
-    matrix elements this rank holds (adjusted lr times the orthogonalized update; weight decay not
+# Per key of ``metrics()``: "rank" (this rank's share: log it reduced, or know it is one rank's) or
+# "job" (the same on every rank). With ``reduce=True`` every key is the job's.
+METRIC_SCOPES = {
+    "muon/update_rms": "rank", "muon/update_elements": "rank", "muon/bytes_sent": "rank",
+    "muon/bytes_received": "rank", "muon/collectives": "rank", "muon/orthogonalized": "rank",
+    "muon/ns_seconds": "rank", "muon/matrices": "job", "adamw/tensors": "rank",
+    "qk_clip/max_logit": "job", "qk_clip/max_logit_after": "job",
+}  # fmt: skip
+_SUMMED = (
+    "muon/bytes_sent",
+    "muon/bytes_received",
+    "muon/collectives",
+    "muon/orthogonalized",
+    "adamw/tensors",
+)
+
+
+def metrics(
+    opt: OptimizerView,
+    qk_clip: Sequence[QKClipFactors] | None = None,
+    reduce: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """The last step's figures, flat, for a trainer's logger: the update's RMS over the matrix
+    elements this rank holds (adjusted lr times the orthogonalized update; weight decay not
     included), bytes sent and received, collectives, matrices orthogonalized here and their host
-    seconds, and the matrices per algorithm. Reads one device scalar (a host sync, here only). With
-    ``qk_clip`` (what ``qk_clip_all_`` returned): the largest logit before and after clipping."""
+    seconds, and the matrices per algorithm; ``METRIC_SCOPES`` says which are this rank's. Reads one
+    device scalar (a host sync, here only). With ``qk_clip`` (what ``qk_clip_all_`` returned): the
+    largest logit before and after clipping. ``reduce=True``: the job's figures instead, on every
+    rank (the update RMS over the whole model, sums of the counts, the slowest rank's seconds),
+    collective over ``process_group`` (default: the default group): call it on every rank."""
     stats = opt.comm_stats
     now = (stats.sent, stats.received, stats.collectives, stats.orthogonalized)
     sent, received, collectives, done = (a - b for a, b in zip(now, stats.base))
     squares = float(stats.update_sq) if stats.update_sq is not None else 0.0
     out = {
-        "muon/update_rms": math.sqrt(squares / stats.update_elements) if stats.update_elements else 0.0,
         "muon/update_elements": float(stats.update_elements),
         "muon/bytes_sent": float(sent),
         "muon/bytes_received": float(received),
@@ -187,10 +228,33 @@ def metrics(opt: OptimizerView, qk_clip: Sequence[QKClipFactors] | None = None) 
         "muon/matrices": float(sum(len(v) for e in opt._plans.entries.values() for v in e.sharding.views)),
         "adamw/tensors": float(sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")),
     }
+    if reduce:
+        squares = _reduced(out, squares, process_group)
+    elements = out["muon/update_elements"]
+    out = {"muon/update_rms": math.sqrt(squares / elements) if elements else 0.0, **out}
     if qk_clip:
         out["qk_clip/max_logit"] = max(float(f.max_logits.max()) for f in qk_clip)
         out["qk_clip/max_logit_after"] = max(float(_clipped(f).max()) for f in qk_clip)
     return out
+
+
+def _reduced(out: dict[str, float], squares: float, group: dist.ProcessGroup | None) -> float:
+    """``out``'s counts summed over ``group`` in place, its seconds the largest; the summed squares.
+    After the agreement (``checks/together.py``): a rank that is not calling would be named."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return squares  # one process: its figures are the job's
+    raise_together(None, group, "Muon.metrics(reduce=True)", {"reduce": True})
+    summed = [squares, out["muon/update_elements"], *(out[k] for k in _SUMMED)]
+    total = comm.sum_over_group(torch.tensor(summed, dtype=torch.float64), _default(group))
+    slowest = comm.max_over_group(torch.tensor([out["muon/ns_seconds"]], dtype=torch.float64), group)
+    out["muon/update_elements"] = float(total[1])
+    out.update({k: float(v) for k, v in zip(_SUMMED, total[2:].tolist())})
+    out["muon/ns_seconds"] = float(slowest[0])
+    return float(total[0])
+
+
+def _default(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
 def _clipped(factors: QKClipFactors) -> Tensor:
