@@ -11,7 +11,7 @@ USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
   plan   predict one Muon optimizer step for a model on N GPUs from the cost model;
          plan --check CONFIG --gpus N: check its layouts and memory before launch
 
-Each takes --help."""
+Each takes --help (also plan --check --help)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "plan" and any(a == "--check" or a.startswith("--check=") for a in rest):
-        from .tools.topology import main as check_main
+        from .tools.topology import main as check_main  # the check before launch
 
         return check_main(rest)
     if command == "plan":

@@ -31,3 +31,8 @@ def test_as_a_module() -> None:
     """The real command line: ``-m`` runs ``main`` and exits with its status."""
     done = subprocess.run([sys.executable, "-m", "muon_dtensor", "--version"], capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (0, f"muon_dtensor {muon_dtensor.__version__}\n"), done.stderr
+
+
+def test_usage_points_to_the_checks_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "plan --check CONFIG --gpus N" in (out := capsys.readouterr().out) and "plan --check --help" in out

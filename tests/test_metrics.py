@@ -53,7 +53,7 @@ def test_one_process_figures() -> None:
     assert opt.metrics()["muon/orthogonalized"] == 3.0
 
 
-def fsdp_figures() -> tuple[dict[str, float], float]:
+def fsdp_figures() -> tuple[dict[str, float], float, dict[str, float]]:
     """Rank function: FSDP-like Shard(0) DTensors; this rank's figures and the measured full RMS."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

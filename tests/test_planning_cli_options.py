@@ -40,3 +40,35 @@ def test_refused_with_the_reason(capsys: pytest.CaptureFixture[str], argv: list[
     assert main([*SMALL, *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--matmul-tflops", "nan"], "argument --matmul-tflops: nan is not a finite number > 0"),
+        (["--gpus-per-node", "0"], "argument --gpus-per-node: 0 is below 1"),
+        (["--latency-us", "-5"], "argument --latency-us: -5 is not a finite number >= 0"),
+        (["--ns-steps", "1000000000"], "argument --ns-steps: 1,000,000,000 is above the limit of 1,000"),
+        (["--kv-rows", "0"], "argument --kv-rows: 0 is below 1"),
+        (["--hsdp", "2", "--tp", "2"], "--hsdp and --tp only go with --check CONFIG"),
+    ],
+)
+def test_out_of_range_flags_are_named(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([*SMALL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_layouts_above_the_limit_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--shard", "100000", "--replicate", "100"]) == 2
+    assert "= 10,000,000 GPUs is above the limit of 131,072" in capsys.readouterr().err
+    assert main(["--layers", "1000000000", "--dim", "64", "--gpus", "8"]) == 2
+    assert "argument --layers: 1,000,000,000 is above the limit of 10,000" in capsys.readouterr().err
+
+
+def test_ns_split_takes_auto_or_off() -> None:
+    assert parse_args([*SMALL, "--ns-split", "auto"]).ns_split == "auto"
+    assert parse_args([*SMALL, "--ns-split"]).ns_split == "auto"
+    assert parse_args([*SMALL, "--ns-split", "off"]).ns_split == parse_args(SMALL).ns_split == "off"

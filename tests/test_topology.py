@@ -80,14 +80,15 @@ def test_layout_that_cannot_run_names_the_parameter(capsys: pytest.CaptureFixtur
 def test_a_bad_config_field_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SMALL | {"num_hidden_layers": 0}))
-    assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 1
+    assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 2  # a config it cannot check
     assert "'num_hidden_layers' must be a positive integer" in capsys.readouterr().err
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert entry(["plan", "--check", "llama3-8b", "--gpus", "6", "--tp", "4"]) == 2
     assert "must be a positive multiple" in capsys.readouterr().err
-    assert entry(["plan", "--check", "no-such-model", "--gpus", "8"]) == 1
+    assert entry(["plan", "--check", "no-such-model", "--gpus", "8"]) == 2
+    assert "'no-such-model' is neither a preset" in capsys.readouterr().err
 
 
 def test_plan_cli_prints_the_same_memory_figures(capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,3 +110,54 @@ def test_plan_cli_prints_the_same_memory_figures(capsys: pytest.CaptureFixture[s
     )
     assert figures["momentum"] == {"min": min(found.momentum), "max": max(found.momentum)}
     assert figures["peak_transient"] == {"min": min(found.peak), "max": max(found.peak)}
+
+
+def test_the_configs_head_dim_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """q, k, v per head of the config's head_dim (4 + 2 + 2 heads per layer), whole with --head-dim 0."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL | {"head_dim": 16}))
+    assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon: 24 matrices" in out and "per head of 16 rows (the config's head_dim" in out
+    assert entry(["plan", "--check", str(path), "--gpus", "8", "--head-dim", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon: 14 matrices" in out and "Muon's q, k, v: whole matrices" in out
+
+
+def test_ns_split_auto_is_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    one = {"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 1, "num_attention_heads": 32}
+    path.write_text(json.dumps(one | {"vocab_size": 1000}))
+    assert entry(["plan", "--check", str(path), "--gpus", "16", "--ns-split", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert 'with ns_split="auto" (--ns-split auto): modelled step' in out and "suggestion" not in out
+    assert check(meta_model(one | {"vocab_size": 1000}), 16).imbalance > 1.5
+    assert entry(["plan", "--check", str(path), "--gpus", "16"]) == 0  # unbalanced: a suggestion
+    assert "suggestion: owners are unbalanced" in capsys.readouterr().out
+    assert entry(["plan", "--check", str(path), "--gpus", "2"]) == 0  # balanced: none
+    assert "suggestion" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "is not a readable JSON file"),
+        (json.dumps({"text_config": [1]}), "its text_config holds a JSON list"),
+        (
+            json.dumps(SMALL | {"num_attention_heads": 128}),
+            "'num_attention_heads' (128) is above 'hidden_size'",
+        ),
+        (json.dumps(SMALL | {"hidden_size": True}), "'hidden_size' must be a positive integer but is True"),
+        (
+            json.dumps(SMALL | {"num_hidden_layers": 10_000, "num_local_experts": 60_000}),
+            "1,200,050,000 Muon matrices, above the limit of 1,048,576",
+        ),
+    ],
+)
+def test_configs_it_cannot_check_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 2
+    assert message in capsys.readouterr().err

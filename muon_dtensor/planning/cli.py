@@ -22,9 +22,9 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from typing import Any
 
-from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from ..sharding.plan.memory import group_peak
 from .costmodel import (
@@ -38,6 +38,19 @@ from .costmodel import (
     transformer_shapes,
 )
 from .hardware import Hardware
+from .inputs import (
+    GPUS,
+    LAYERS,
+    MAX_GPUS,
+    MAX_LAYERS,
+    MAX_NS_STEPS,
+    MAX_WIDTH,
+    WIDTH,
+    bounded,
+    format_bytes,
+    seconds_or_rate,
+)
+from .links import block_numels
 from .plans import hsdp_plan, sharded_plan
 
 __all__ = ["MODELS", "Layout", "hardware", "main", "memory", "parse_args", "plan"]
@@ -78,24 +91,24 @@ class Layout:
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a preset, or a transformer given by --layers and --dim)")
     g.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="preset (llama3-8b)")
-    g.add_argument("--layers", type=int, help="transformer layers (replaces --model)")
-    g.add_argument("--dim", type=int, help="model width")
-    g.add_argument("--kv-rows", type=int, help="rows of k and v (kv heads x head size; default: dim)")
-    g.add_argument("--ffn", type=int, help="MLP hidden size (default: 4 x dim)")
+    g.add_argument("--layers", type=LAYERS, help=f"transformer layers (replaces --model; <= {MAX_LAYERS:,})")
+    g.add_argument("--dim", type=WIDTH, help="model width")
+    g.add_argument("--kv-rows", type=WIDTH, help="rows of k and v (kv heads x head size; default: dim)")
+    g.add_argument("--ffn", type=WIDTH, help="MLP hidden size (default: 4 x dim)")
     g.add_argument("--gated", action="store_true", help="gated MLP (gate, up, down), as Llama")
     g.add_argument("--fused-qkv", action="store_true", help="q, k, v as one matrix")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout (give --gpus, or --shard and --replicate)")
-    g.add_argument("--gpus", type=int, help="GPUs in all (default: shard x replicate)")
-    g.add_argument("--shard", type=int, help="ranks per shard group (default: gpus / replicate)")
-    g.add_argument("--replicate", type=int, help="replica groups, HSDP (default: gpus / shard, or 1)")
+    g.add_argument("--gpus", type=GPUS, help=f"GPUs in all (default: shard x replicate; <= {MAX_GPUS:,})")
+    g.add_argument("--shard", type=GPUS, help="ranks per shard group (default: gpus / replicate)")
+    g.add_argument("--replicate", type=GPUS, help="replica groups, HSDP (default: gpus / shard, or 1)")
     g.add_argument("--mode", choices=("owner", "gather", "redundant"), default="owner", help="(owner)")
+    owner_options(g)
     g.add_argument(
-        "--owners", choices=("auto", "mesh", "replica"), default="auto", help="with HSDP, as Muon's (auto)"
+        "--ns-steps", type=bounded(0, MAX_NS_STEPS), default=5, help="Newton-Schulz iterations (5)"
     )
-    g.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (5)")
     g.add_argument(
         "--ns-algorithm",
         choices=("standard", "gram"),
@@ -103,22 +116,60 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
         help='as Muon(ns_algorithm=...); "gram" prices Gram Newton-Schulz flops (standard)',
     )
     g.add_argument("--normuon", action="store_true", help=f"refused: {NORMUON_REFUSAL}")
+
+
+def owner_options(g: Any) -> None:
+    """``--owners``, ``--ns-split`` and ``--max-round-bytes``, which ``plan`` and ``plan --check`` share."""
     g.add_argument(
-        "--ns-split", action="store_true", help='split the largest matrices where it pays, as ns_split="auto"'
+        "--owners", choices=("auto", "mesh", "replica"), default="auto", help="with HSDP, as Muon's (auto)"
+    )
+    g.add_argument(
+        "--ns-split",
+        nargs="?",
+        const="auto",
+        default="off",
+        choices=("off", "auto"),
+        help='"auto" (or the flag alone): split the largest matrices where it pays, as ns_split="auto" (off)',
     )
     g.add_argument(
         "--max-round-bytes",
-        type=int,
+        type=bounded(0, 2**62, below=": give a byte count, or 0 for one round"),
         default=DEFAULT_ROUND_BYTES,
         help=f"bytes of full matrices per exchange round; 0: one round ({DEFAULT_ROUND_BYTES})",
     )
+
+
+def check_options(g: Any) -> None:
+    """The options only ``plan --check`` takes, besides ``--check`` itself."""
+    g.add_argument("--hsdp", type=GPUS, metavar="R", help="replica groups (HSDP) of --check; default 1")
+    g.add_argument("--tp", type=GPUS, metavar="T", help="tensor-parallel ranks of --check; default 1")
+    g.add_argument(
+        "--head-dim",
+        type=bounded(0, MAX_WIDTH),
+        metavar="D",
+        help="per-head q, k, v groups, as split_params(head_dim=D); default: the config's head_dim, "
+        "when it has one; 0: whole matrices",
+    )
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "check before launch (plan --check CONFIG --gpus N; plan --check --help)",
+        "Builds the model on meta tensors, lays every Muon matrix out as FSDP2 (x TP, x HSDP) would and "
+        "prints per-rank memory, the owners' balance and the step; exit 1 when a layout cannot run. Takes "
+        "--gpus, --owners, --ns-split and --max-round-bytes above, and:",
+    )
+    g.add_argument(
+        "--check", metavar="CONFIG", help="a config.json, or a preset: " + ", ".join(sorted(MODELS))
+    )
+    check_options(g)
 
 
 def _hardware_args(p: argparse.ArgumentParser) -> None:
     d = Hardware.h200()
     g = p.add_argument_group("hardware (default: H200 SXM, 8 per node; see muon_dtensor.planning.hardware)")
     for flag, (field, unit) in _HW_FLAGS.items():
-        cast = int if field == "gpus_per_node" else float
+        cast = GPUS if field == "gpus_per_node" else seconds_or_rate(field.endswith(("flops", "bandwidth")))
         default = getattr(d, field) / unit
         g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
 
@@ -127,11 +178,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``plan``'s arguments; exits with status 2 on bad ones, as argparse does."""
     p = argparse.ArgumentParser(
         prog="python -m muon_dtensor plan",
-        description="Predict one Muon optimizer step from the cost model (no GPU needed).",
+        description="Predict one Muon optimizer step from the cost model (no GPU needed); with --check, "
+        "check a model's layouts before launch.",
     )
     _model_args(p)
     _layout_args(p)
     _hardware_args(p)
+    _check_args(p)
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
     try:
@@ -139,11 +192,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shapes = _shapes(args)
     except ValueError as e:
         p.error(str(e))
-    if args.ns_steps < 0 or args.max_round_bytes < 0:
-        p.error("--ns-steps and --max-round-bytes must be >= 0")
+    given = [
+        f
+        for f, v in (("--hsdp", args.hsdp), ("--tp", args.tp), ("--head-dim", args.head_dim))
+        if v is not None
+    ]
+    if given:
+        p.error(
+            f"{' and '.join(given)} only {'go' if len(given) > 1 else 'goes'} with --check CONFIG; without "
+            "it, plan takes --shard and --replicate"
+        )
     if args.normuon:
         p.error(f"--normuon: {NORMUON_REFUSAL}")
-    if args.ns_split and args.ns_algorithm == "gram":
+    if args.ns_split == "auto" and args.ns_algorithm == "gram":
         p.error(
             '--ns-split with --ns-algorithm gram: Muon splits only the standard iteration (ns_split="auto" '
             "splits nothing under gram); drop one of them"
@@ -158,7 +219,7 @@ def _layout(gpus: int | None, shard: int | None, replicate: int | None) -> Layou
         raise ValueError("--gpus, --shard and --replicate must be >= 1")
     if gpus is None:
         assert shard is not None
-        return Layout(shard * (replicate or 1), shard, replicate or 1)
+        return _within(Layout(shard * (replicate or 1), shard, replicate or 1))
     for flag, size in (("--shard", shard), ("--replicate", replicate)):
         if size is not None and gpus % size:
             raise ValueError(f"--gpus {gpus} is not a multiple of {flag} {size}")
@@ -167,7 +228,16 @@ def _layout(gpus: int | None, shard: int | None, replicate: int | None) -> Layou
     replicate = replicate or gpus // shard
     if shard * replicate != gpus:
         raise ValueError(f"--gpus {gpus} is not --shard {shard} x --replicate {replicate}")
-    return Layout(gpus, shard, replicate)
+    return _within(Layout(gpus, shard, replicate))
+
+
+def _within(layout: Layout) -> Layout:
+    if layout.gpus > MAX_GPUS:
+        raise ValueError(
+            f"--shard {layout.shard} x --replicate {layout.replicate} = {layout.gpus:,} GPUs is above the "
+            f"limit of {MAX_GPUS:,}: more GPUs than any cluster has"
+        )
+    return layout
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:
@@ -204,7 +274,7 @@ def plan(args: argparse.Namespace) -> Prediction:
         ns_algorithm=args.ns_algorithm,
         replicas=args.layout.replicate,
         owners=args.owners,
-        split=args.ns_split,
+        split=args.ns_split == "auto",
     )
 
 
@@ -212,32 +282,42 @@ def memory(args: argparse.Namespace, owners: str) -> dict[str, list[int]]:
     """Per rank of one exchange group, the bytes ``Muon.memory`` reports for these matrices: fp32
     momentum and the predicted peak transient of a step (bf16 exchange, CUDA batches), from the
     plan the optimizer would build (owners ``"mesh"``: over every GPU, else one replica group)."""
-    lay, limit = args.layout, args.max_round_bytes or None
+    lay = args.layout
+    shapes = tuple((int(r), int(c)) for r, c in args.shapes)
     mesh = owners == "mesh" and lay.replicate > 1
+    momentum, peak = _memory(shapes, lay.shard, lay.replicate, mesh, args.max_round_bytes or None)
+    return {"momentum": list(momentum), "peak_transient": list(peak)}
+
+
+@lru_cache(maxsize=64)
+def _memory(
+    shapes: tuple[Shape, ...], shard: int, replicate: int, mesh: bool, limit: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``memory``'s figures, computed once per setting (pure; seconds at 1,024 ranks)."""
     built = (
-        hsdp_plan(args.shapes, lay.shard, lay.replicate, max_round_bytes=limit)
+        hsdp_plan(shapes, shard, replicate, max_round_bytes=limit)
         if mesh
-        else sharded_plan(args.shapes, lay.shard, max_round_bytes=limit)
+        else sharded_plan(shapes, shard, max_round_bytes=limit)
     )
     whole, members = [False] * len(built.entries), list(range(len(built.entries)))
     momentum, peak = [], []
+    per_entry = [block_numels(e.blocks) for e in built.entries]
     for rank in range(built.group_size):
-        numels = [block_numel(e.blocks[rank]) for e in built.entries]
+        numels = [x[rank] for x in per_entry]
         momentum.append(4 * sum(numels))
         peak.append(
             group_peak(
                 numels, whole, [(built, rank, members)], param_item=4, ns_item=2, nesterov=True, cpu=False
             )
         )
-    return {"momentum": momentum, "peak_transient": peak}
+    return tuple(momentum), tuple(peak)
 
 
 def _memory_lines(figures: dict[str, list[int]]) -> list[str]:
-    mib = {k: (min(v) / 2**20, max(v) / 2**20) for k, v in figures.items()}
+    span = {k: f"{format_bytes(min(v))} - {format_bytes(max(v))}" for k, v in figures.items()}
     return [
-        "Per rank (MiB, min-max over ranks; Muon.memory's figures for these matrices): fp32 momentum "
-        f"{mib['momentum'][0]:,.1f}-{mib['momentum'][1]:,.1f}; peak transient of a step (bf16 exchange, "
-        f"CUDA batches) {mib['peak_transient'][0]:,.1f}-{mib['peak_transient'][1]:,.1f}"
+        "Per rank (min - max over ranks; Muon.memory's figures for these matrices): fp32 momentum "
+        f"{span['momentum']}; peak transient of a step (bf16 exchange, CUDA batches) {span['peak_transient']}"
     ]
 
 
@@ -254,7 +334,7 @@ def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
         f"way (in / across nodes), {hw.collective_latency * 1e6:g} us per collective, "
         f"{hw.op_overhead * 1e6:g} us per eager op",
         f"mode: {args.mode}, {args.ns_steps} {args.ns_algorithm} Newton-Schulz steps, {rounds}, "
-        f"owners {args.owners}" + (", ns_split auto" if args.ns_split else ""),
+        f"owners {args.owners}" + (", ns_split auto" if args.ns_split == "auto" else ""),
     ]
 
 
@@ -285,7 +365,9 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the prediction; return the exit status (0, or 2 for bad arguments)."""
+    """Print the prediction; return the exit status (0, or 2 for bad arguments). ``plan --check``
+    is the check before launch (``tools.topology.main``; ``__main__`` routes it there)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or an error (2), already printed

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from .testing import run_ranks
+from .testing import FunctionRef, check_launch, function_ref, resolve, run_ranks
 
 __all__ = ["PROFILES", "loss_scale", "micro_batches_for", "run_resume_check"]
 
@@ -64,8 +64,8 @@ def loss_scale(world: int, n_micro: int) -> float:
 
 
 def run_resume_check(
-    build: Build,
-    train_step: TrainStep,
+    build: Build | str,
+    train_step: TrainStep | str,
     *,
     steps: int,
     save_at: int,
@@ -79,17 +79,20 @@ def run_resume_check(
 
     ``build(rank, world)`` returns ``(model, optimizer, scheduler or None)`` with the same seed every
     call; ``train_step(model, optimizer, scheduler, step, rank, world)`` runs step ``step`` (from 1)
-    and must call ``optimizer.step()`` once. Both must be importable (module-level)."""
-    _check_inputs(build, train_step, steps, save_at, world_sizes, profile)
+    and must call ``optimizer.step()`` once. Each is a module-level function (of a module, or of the
+    calling script, whose call must then sit under ``if __name__ == "__main__":``) or a
+    ``"module:function"`` string; the ranks find them where the caller does (``testing.function_ref``).
+    Bad arguments raise ValueError / TypeError before any rank starts."""
+    _check_inputs(steps, save_at, world_sizes, profile, report, timeout)
+    loop = (
+        function_ref(build, "build", "run_resume_check"),
+        function_ref(train_step, "train_step", "run_resume_check"),
+    )
     save_world, resume_world = world_sizes
     with tempfile.TemporaryDirectory(prefix="resume_check_") as tmp:
-        straight = run_ranks(
-            _rank_run, save_world, build, train_step, None, None, save_at, steps, timeout=timeout
-        )
-        run_ranks(_rank_run, save_world, build, train_step, None, tmp, save_at, save_at, timeout=timeout)
-        resumed = run_ranks(
-            _rank_run, resume_world, build, train_step, tmp, None, save_at, steps, timeout=timeout
-        )
+        straight = run_ranks(_rank_run, save_world, *loop, None, None, save_at, steps, timeout=timeout)
+        run_ranks(_rank_run, save_world, *loop, None, tmp, save_at, save_at, timeout=timeout)
+        resumed = run_ranks(_rank_run, resume_world, *loop, tmp, None, save_at, steps, timeout=timeout)
     out = _compare(straight[0], resumed[0], profile=profile, world_sizes=world_sizes)
     out.update(steps=steps, save_at=save_at)
     if report is not None:
@@ -98,12 +101,9 @@ def run_resume_check(
 
 
 def _check_inputs(
-    build: Any, train_step: Any, steps: int, save_at: int, world_sizes: Any, profile: str
+    steps: int, save_at: int, world_sizes: Any, profile: str, report: str | Path | None, timeout: Any
 ) -> None:
     """Refuse bad arguments here, before any rank starts."""
-    for name, fn in (("build", build), ("train_step", train_step)):
-        if not callable(fn) or "<" in getattr(fn, "__qualname__", "<"):
-            raise TypeError(f"{name} should be a module-level function (ranks import it) but is {fn!r}")
     if profile not in PROFILES:
         raise ValueError(f"profile should be one of {', '.join(PROFILES)} but is {profile!r}")
     if not (isinstance(save_at, int) and isinstance(steps, int) and 1 <= save_at < steps):
@@ -113,6 +113,20 @@ def _check_inputs(
     sizes = tuple(world_sizes) if isinstance(world_sizes, tuple | list) else ()
     if len(sizes) != 2 or not all(isinstance(w, int) and w >= 1 for w in sizes):
         raise ValueError(f"world_sizes should be two positive ints (save, resume) but is {world_sizes!r}")
+    for which, world in zip(("save", "resume"), sizes):
+        check_launch(world, timeout, f"world_sizes' {which} world size")
+    if report is not None:
+        path = Path(report)
+        if path.is_dir():
+            raise ValueError(
+                f"report should be a file path but {str(report)!r} is a folder: pass a file in it, e.g. "
+                f"{str(path / 'resume_report.json')!r}"
+            )
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"report should be a file path in an existing folder but the folder of {str(report)!r} "
+                f"({str(path.parent)!r}) does not exist: create it first, or pass another path"
+            )
 
 
 # --- on every rank ------------------------------------------------------------------------------
@@ -189,12 +203,18 @@ class _Grads:
 
 
 def _rank_run(
-    build: Build, train_step: TrainStep, load_from: str | None, save_to: str | None, save_at: int, last: int
+    build_ref: FunctionRef,
+    step_ref: FunctionRef,
+    load_from: str | None,
+    save_to: str | None,
+    save_at: int,
+    last: int,
 ) -> dict[str, Any] | None:
     """Train to ``last`` (from a checkpoint when ``load_from``); save at ``last`` when ``save_to``.
     Rank 0 returns parameters from ``save_at`` on, first resumed gradients, final states."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt, sched = build(rank, world)
+    train_step = resolve(step_ref)
+    model, opt, sched = resolve(build_ref)(rank, world)
     first = _load(load_from, model, opt, sched) + 1 if load_from else 1
     grads = _Grads(model, opt, save_at + 1)
     params = {save_at: _params(model)} if load_from else {}

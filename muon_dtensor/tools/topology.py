@@ -5,113 +5,45 @@ It builds the model's parameters on the meta device from a Hugging Face ``config
 preset), splits them as ``split_params`` does, lays every Muon matrix out as FSDP2 (x TP, x HSDP)
 would on N ranks (blocks from placements, ``sharding.plan.blocks``), cuts the matrices
 (``views.matrix_views``) and builds the plans (``plan.build_plan``) the optimizer would build. It
-prints per-rank memory (``sharding.plan.memory``), the owners' balance and the cost model's step, and
-exits 1 naming the parameter and the fix when a layout cannot run (2: bad arguments).
+prints per-rank memory (``sharding.plan.memory``), the owners' balance and the cost model's step
+(with ``ns_split="auto"`` too when asked for, or suggested when the owners are unbalanced), and exits
+1 naming the parameter and the fix when a layout cannot run; 2 for bad arguments or a config it
+cannot check (unreadable, not an object, a field out of range: ``tools.configs``), refused before
+anything is built.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..optim.param_groups import split_params
+from ..planning.cli import check_options, owner_options
 from ..planning.costmodel import predict
 from ..planning.hardware import Hardware
+from ..planning.inputs import GPUS, format_bytes
 from ..sharding.plan.blocks import AxisShard, Block, block_numel, mesh_blocks, shard_blocks
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
 from ..sharding.plan.memory import group_peak
 from ..sharding.plan.views import View, matrix_views
+from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
 
 __all__ = ["PRESETS", "Check", "check", "load_config", "main", "meta_model", "parse_args", "report"]
 
-# Hugging Face config.json fields of the Llama 3 presets (Meta's params.json, as in planning.shapes).
-_LLAMA = {"vocab_size": 128256, "num_key_value_heads": 8, "tie_word_embeddings": False}
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama3-8b": _LLAMA | {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32},
-    "llama3-70b": _LLAMA | {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64},
-    "llama3.1-405b": _LLAMA | {"hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128},
-}  # fmt: skip
 _COLWISE = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))  # TP Shard(0)
 _ROWWISE = frozenset(("o_proj", "down_proj"))  # TP Shard(1)
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def load_config(source: str) -> dict[str, Any]:
-    """A preset's fields, or a ``config.json`` read as data (a multimodal one's ``text_config``)."""
-    if source in PRESETS:
-        return dict(PRESETS[source])
-    path = Path(source)
-    if not path.is_file():
-        raise ValueError(
-            f"--check {source!r}: neither a preset ({', '.join(PRESETS)}) nor a config.json file"
-        )
-    config = json.loads(path.read_text())
-    return dict(config.get("text_config", config))
-
-
-def _need(config: Mapping[str, Any], key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config field {key!r} must be a positive integer but is {value!r}")
-    return value
-
-
-class _Layer(nn.Module):
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        hidden, heads = _need(config, "hidden_size"), _need(config, "num_attention_heads")
-        head_dim = config.get("head_dim") or hidden // heads
-        kv = (config.get("num_key_value_heads") or heads) * head_dim
-        self.self_attn = nn.ModuleDict(
-            {
-                "q_proj": nn.Linear(hidden, heads * head_dim, bias=False),
-                "k_proj": nn.Linear(hidden, kv, bias=False),
-                "v_proj": nn.Linear(hidden, kv, bias=False),
-                "o_proj": nn.Linear(heads * head_dim, hidden, bias=False),
-            }
-        )
-        experts = next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0)
-        ffn = config.get("moe_intermediate_size") or _need(config, "intermediate_size")
-        self.mlp: nn.Module
-        if experts:  # a router and stacks of experts ([E, out, in], as torchtitan's grouped experts)
-            self.mlp = nn.ParameterDict(
-                {
-                    "gate_up_experts": nn.Parameter(torch.empty(experts, 2 * ffn, hidden)),
-                    "down_experts": nn.Parameter(torch.empty(experts, hidden, ffn)),
-                }
-            )
-            self.router = nn.Linear(hidden, experts, bias=False)
-        else:
-            self.mlp = nn.ModuleDict(
-                {
-                    "gate_proj": nn.Linear(hidden, ffn, bias=False),
-                    "up_proj": nn.Linear(hidden, ffn, bias=False),
-                    "down_proj": nn.Linear(ffn, hidden, bias=False),
-                }
-            )
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-
-
-def meta_model(config: Mapping[str, Any]) -> nn.Module:
-    """A decoder with the config's parameter names and shapes (Hugging Face Llama's), on meta."""
-    with torch.device("meta"):
-        model = nn.Module()
-        model.embed_tokens = nn.Embedding(_need(config, "vocab_size"), _need(config, "hidden_size"))
-        model.layers = nn.ModuleList(_Layer(config) for _ in range(_need(config, "num_hidden_layers")))
-        model.norm = nn.RMSNorm(config["hidden_size"])
-        if not config.get("tie_word_embeddings", False):
-            model.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-    return model
+# Owners this unbalanced (busiest rank's Newton-Schulz flops / mean) leave most ranks waiting on one:
+# the report prices ns_split="auto", which runs the largest matrices over a few ranks.
+IMBALANCE_HINT = 1.5
+# Matrices x ranks above which the check says it takes a while (tens of microseconds each on a CPU
+# core: Llama-3-8B's 224 matrices on 1,024 ranks take seconds, this many a few minutes).
+LONG_CHECK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -128,6 +60,11 @@ class Check:
     peak: tuple[int, ...]
     step_ms: float
     owners: str
+
+    @property
+    def imbalance(self) -> float:
+        """The most unbalanced exchange group's busiest rank over its mean (1.0: even)."""
+        return max((p.imbalance for p in self.plans), default=1.0)
 
 
 def _shards(shape: Sequence[int], module: str, sizes: tuple[int, int, int]) -> tuple[AxisShard, ...]:
@@ -175,23 +112,10 @@ def check(
     if gpus < 1 or hsdp < 1 or tp < 1 or gpus % (hsdp * tp):
         raise ValueError(f"--gpus {gpus} must be a positive multiple of --hsdp {hsdp} x --tp {tp}")
     sizes = (hsdp, gpus // (hsdp * tp), tp)
-    groups = split_params(model, muon=["*_experts"], head_dim=head_dim)  # stacks: "experts": True
-    muon = [(n, p) for g in groups if g["algorithm"] == "muon" for n, p in g["params"]]
-    heads = {n for g in groups if g.get("head_dim") for n, _ in g["params"]}
-    adamw = [(n, p) for g in groups if g["algorithm"] == "adamw" for n, p in g["params"]]
-    shapes = [view.shape for _, p in muon for view in _views(p.shape, "", None, 2)]
-    hw = Hardware.h200()
-    pred = predict(shapes, sizes[1] * tp, hw, replicas=hsdp, owners=owners)
-    domains: dict[tuple[int, ...], list[tuple[int, View, tuple[int, ...] | None]]] = {}
-    params: list[tuple[tuple[int, ...], tuple[Block, ...], bool]] = []
-    for pos, (name, p) in enumerate(muon):
-        module = name.rsplit(".", 2)[-2] if "." in name else ""
-        axes, blocks, replica_of = _layout(
-            tuple(p.shape), _shards(p.shape, module, sizes), sizes, pred.owners == "mesh"
-        )
-        views = _views(tuple(p.shape), name, head_dim if name in heads else None, len(blocks), blocks)
-        params.append((axes, blocks, len(views) > 1 or p.ndim != 2))
-        domains.setdefault(axes, []).extend((pos, v, replica_of) for v in views)
+    muon, heads, adamw = _split(model, head_dim)
+    shapes = _shapes(muon, heads)
+    pred = predict(shapes, sizes[1] * tp, Hardware.h200(), replicas=hsdp, owners=owners)
+    params, domains = _lay_out(muon, heads, sizes, pred.owners == "mesh")
     plans = {
         axes: build_plan(
             [MatrixEntry(v.shape, v.blocks, _replicated(v), r) for _, v, r in members],
@@ -200,28 +124,86 @@ def check(
         )
         for axes, members in domains.items()
     }
-    momentum, peak, moments = [], [], []
-    for rank in range(gpus):
-        mine = [block_numel(b[_group_rank(rank, axes, sizes)]) for axes, b, _ in params]
-        momentum.append(4 * sum(mine))
-        moments.append(sum(8 * _dp_numel(p.shape, rank, sizes) + 4 for _, p in adamw))
-        where = [
-            (plans[axes], _group_rank(rank, axes, sizes), [pos for pos, _, _ in members])
-            for axes, members in domains.items()
-        ]
-        assembled = [a for _, _, a in params]
-        peak.append(group_peak(mine, assembled, where, param_item=4, ns_item=2, nesterov=True, cpu=False))
+    momentum, moments, peak = _per_rank(gpus, sizes, params, domains, plans, adamw)
     return Check(
-        len(shapes),
-        sum(p.numel() for _, p in muon),
-        sum(p.numel() for _, p in adamw),
-        tuple(plans.values()),
-        tuple(momentum),
-        tuple(moments),
-        tuple(peak),
-        pred.total * 1e3,
-        pred.owners,
-    )
+        len(shapes), sum(p.numel() for _, p in muon), sum(_numel(s) for s in adamw), tuple(plans.values()),
+        momentum, moments, peak, pred.total * 1e3, pred.owners,
+    )  # fmt: skip
+
+
+def _split(
+    model: nn.Module, head_dim: int | None
+) -> tuple[list[tuple[str, nn.Parameter]], dict[str, int], list[tuple[int, ...]]]:
+    """As ``split_params`` splits ``model`` (expert stacks to Muon): the Muon parameters, the rows per
+    head of those cut per head, and the AdamW parameters' shapes."""
+    groups = split_params(model, muon=["*_experts"], head_dim=head_dim)  # stacks: "experts": True
+    muon = [(n, p) for g in groups if g["algorithm"] == "muon" for n, p in g["params"]]
+    heads = {n: g["head_dim"] for g in groups if g.get("head_dim") for n, _ in g["params"]}
+    adamw = [tuple(p.shape) for g in groups if g["algorithm"] == "adamw" for _, p in g["params"]]
+    return muon, heads, adamw
+
+
+def _shapes(muon: list[tuple[str, nn.Parameter]], heads: Mapping[str, int]) -> list[tuple[int, int]]:
+    """The matrices the optimizer orthogonalizes, as the cost model takes them."""
+    return [v.shape for n, p in muon for v in _views(tuple(p.shape), "", heads.get(n), 2)]
+
+
+_Params = list[tuple[tuple[int, ...], tuple[Block, ...], bool]]  # (exchange axes, blocks, assembled)
+_Domains = dict[tuple[int, ...], list[tuple[int, View, tuple[int, ...] | None]]]  # axes: (pos, view, replica)
+
+
+def _lay_out(
+    muon: list[tuple[str, nn.Parameter]],
+    heads: Mapping[str, int],
+    sizes: tuple[int, int, int],
+    mesh: bool,
+) -> tuple[_Params, _Domains]:
+    """Each Muon parameter's exchange axes, blocks and whether its update is assembled from several
+    matrices; and per exchange group (axes) its matrices, as (parameter position, view, replicas)."""
+    params: _Params = []
+    domains: _Domains = {}
+    for pos, (name, p) in enumerate(muon):
+        module = name.rsplit(".", 2)[-2] if "." in name else ""
+        axes, blocks, replica_of = _layout(tuple(p.shape), _shards(p.shape, module, sizes), sizes, mesh)
+        views = _views(tuple(p.shape), name, heads.get(name), len(blocks), blocks)
+        params.append((axes, blocks, len(views) > 1 or p.ndim != 2))
+        domains.setdefault(axes, []).extend((pos, v, replica_of) for v in views)
+    return params, domains
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def _per_rank(
+    gpus: int,
+    sizes: tuple[int, int, int],
+    params: _Params,
+    domains: _Domains,
+    plans: Mapping[tuple[int, ...], Plan],
+    adamw: list[tuple[int, ...]],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per rank: momentum, AdamW moments and step counters, and peak transient bytes. Parameters laid
+    out alike (every layer's) share their blocks: each layout's numel is read once per rank."""
+    layouts = {(axes, id(blocks)): (axes, blocks) for axes, blocks, _ in params}
+    which = [(axes, id(blocks)) for axes, blocks, _ in params]
+    dp_shapes: dict[tuple[int, ...], int] = {}
+    for shape in adamw:
+        dp_shapes[shape] = dp_shapes.get(shape, 0) + 1
+    assembled = [a for _, _, a in params]
+    positions = {axes: [pos for pos, _, _ in members] for axes, members in domains.items()}
+    momentum, moments, peak = [], [], []
+    for rank in range(gpus):
+        numel = {k: block_numel(b[_group_rank(rank, axes, sizes)]) for k, (axes, b) in layouts.items()}
+        mine = [numel[k] for k in which]
+        momentum.append(4 * sum(mine))
+        moments.append(sum(n * (8 * _dp_numel(s, rank, sizes) + 4) for s, n in dp_shapes.items()))
+        where = [(plans[axes], _group_rank(rank, axes, sizes), pos) for axes, pos in positions.items()]
+        peak.append(group_peak(mine, assembled, where, param_item=4, ns_item=2, nesterov=True, cpu=False))
+    return tuple(momentum), tuple(moments), tuple(peak)
 
 
 _VIEWS: dict[tuple, list[View]] = {}
@@ -254,30 +236,66 @@ def _dp_numels(shape: tuple[int, ...], shard: int) -> tuple[int, ...]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``plan --check``'s arguments; exits with status 2 on bad ones (0 for ``--help``)."""
     p = argparse.ArgumentParser(
         prog="python -m muon_dtensor plan --check",
-        description="Check a model's Muon layouts on N GPUs before launch (meta tensors, no processes).",
+        description="Check a model's Muon layouts on N GPUs before launch (meta tensors, no processes): "
+        "per-rank memory, the owners' balance and the modelled step; exit 1 when a layout cannot run.",
     )
-    p.add_argument(
-        "--check", required=True, metavar="CONFIG", help=f"config.json or a preset ({', '.join(PRESETS)})"
+    p.add_argument(  # an optional value, so that "plan --check --help" prints this help
+        "--check", nargs="?", metavar="CONFIG", help=f"config.json or a preset ({', '.join(PRESETS)})"
     )
-    p.add_argument("--gpus", type=int, required=True, help="ranks in all")
-    p.add_argument("--hsdp", type=int, default=1, help="replica groups (HSDP); default 1")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; default 1")
-    p.add_argument("--owners", choices=("auto", "mesh", "replica"), default="auto", help="as Muon's (auto)")
-    p.add_argument("--max-round-bytes", type=int, default=DEFAULT_ROUND_BYTES, help="as Muon's; 0: one round")
-    p.add_argument("--head-dim", type=int, help="per-head q, k, v groups, as split_params(head_dim=...)")
+    p.add_argument("--gpus", type=GPUS, required=True, help="ranks in all")
+    check_options(p)
+    owner_options(p)
     args = p.parse_args(list(argv))
-    if min(args.gpus, args.hsdp, args.tp) < 1 or args.gpus % (args.hsdp * args.tp):
+    if args.check is None:
+        p.error(f"--check needs a CONFIG: a config.json file or a preset ({', '.join(PRESETS)})")
+    args.hsdp, args.tp = args.hsdp or 1, args.tp or 1
+    if args.gpus % (args.hsdp * args.tp):
         p.error(f"--gpus {args.gpus} must be a positive multiple of --hsdp {args.hsdp} x --tp {args.tp}")
     return args
 
 
-def _mb(values: Sequence[int]) -> str:
-    return f"{min(values) / 2**20:,.1f} | {max(values) / 2**20:,.1f}"
+def _head_dim(args: argparse.Namespace, config: Mapping[str, Any]) -> tuple[int | None, str]:
+    """The rows per head q, k, v are cut in (None: whole matrices), and where that came from."""
+    if args.head_dim is not None:
+        return args.head_dim or None, "--head-dim"
+    return config.get("head_dim") or None, "the config's head_dim"
+
+
+def _split_ms(args: argparse.Namespace, config: Mapping[str, Any]) -> float:
+    """The modelled step with ``ns_split="auto"`` for the checked model and layout."""
+    muon, heads, _ = _split(meta_model(config), _head_dim(args, config)[0])
+    shapes, shard, hw = _shapes(muon, heads), args.gpus // args.hsdp, Hardware.h200()
+    return predict(shapes, shard, hw, replicas=args.hsdp, owners=args.owners, split=True).total * 1e3
+
+
+def _suggestion(args: argparse.Namespace, config: Mapping[str, Any], found: Check) -> list[str]:
+    """The modelled step with ns_split="auto" when asked for, or a suggestion when owners are unbalanced."""
+    if args.ns_split != "auto" and found.imbalance <= IMBALANCE_HINT:
+        return []
+    split_ms = _split_ms(args, config)
+    change = f"{found.step_ms:.1f} ms -> {split_ms:.1f} ms"
+    if args.ns_split == "auto":
+        return [f'with ns_split="auto" (--ns-split auto): modelled step {change}']
+    unbalanced = (
+        f"owners are unbalanced (the busiest rank's Newton-Schulz is {found.imbalance:.2f} x the mean, "
+        f"above {IMBALANCE_HINT})"
+    )
+    if split_ms < found.step_ms:
+        return [
+            f'suggestion: {unbalanced}: Muon(ns_split="auto") runs the largest matrices over a few ranks; '
+            f"modelled step {change} (add --ns-split auto to check it)"
+        ]
+    return [
+        f'note: {unbalanced}, but ns_split="auto" would not shorten the modelled step '
+        f"({found.step_ms:.1f} ms): the matrices are too few or too small to pay for splitting"
+    ]
 
 
 def report(args: argparse.Namespace, config: Mapping[str, Any], found: Check) -> str:
+    """The check as text: the model, the layout, the owners' balance, per-rank bytes, the step."""
     shard = args.gpus // (args.hsdp * args.tp)
     counts = [
         [sum(o == r for rnd in plan.rounds for o in rnd.owners) for r in range(plan.group_size)]
@@ -287,47 +305,69 @@ def report(args: argparse.Namespace, config: Mapping[str, Any], found: Check) ->
         f"{p.group_size} ranks: {p.imbalance:.3f}, {min(c)}-{max(c)} matrices per rank"
         for p, c in zip(found.plans, counts)
     )
+    head_dim, source = _head_dim(args, config)
+    qkv = (
+        f"per head of {head_dim} rows ({source}; --head-dim 0: whole matrices)"
+        if head_dim
+        else "whole matrices"
+    )
     return "\n".join(
         [
             f"model: {args.check}: {config['num_hidden_layers']} layers of width {config['hidden_size']}; "
-            f"Muon: {found.matrices:,} matrices, {found.muon_elements:,} elements; AdamW: {found.adamw_elements:,} elements",
+            f"Muon: {found.matrices:,} matrices, {found.muon_elements:,} elements; "
+            f"AdamW: {found.adamw_elements:,} elements; Muon's q, k, v: {qkv}",
             f"layout: {args.gpus} GPUs = {args.hsdp} replica group(s) x {shard} shards x {args.tp} TP ranks; "
             f"owners {found.owners}",
             f"owner balance (busiest rank's Newton-Schulz flops / mean) per exchange group: {balance}",
             "",
-            "| per rank (MiB) | min | max |",
+            "| per rank | min | max |",
             "|---|---:|---:|",
-            f"| momentum (fp32) | {_mb(found.momentum)} |",
-            f"| AdamW moments and steps | {_mb(found.adamw)} |",
-            f"| peak transient of a step (bf16 exchange, CUDA batches) | {_mb(found.peak)} |",
+            f"| momentum (fp32) | {_span(found.momentum)} |",
+            f"| AdamW moments and steps | {_span(found.adamw)} |",
+            f"| peak transient of a step (bf16 exchange, CUDA batches) | {_span(found.peak)} |",
             "",
             f"modelled step (costmodel.predict, H200, Shard(0) over {shard * args.tp} ranks per replica): "
             f"{found.step_ms:.1f} ms",
+            *_suggestion(args, config, found),
             "OK: every Muon parameter has a layout the optimizer runs",
         ]
     )
 
 
+def _span(values: Sequence[int]) -> str:
+    return f"{format_bytes(min(values))} | {format_bytes(max(values))}"
+
+
+def _refuse(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the check; return 0, 1 when a layout cannot run (the error names the parameter), or
-    2 for bad arguments."""
+    2 for bad arguments or a config that cannot be checked (refused before anything is built)."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
         config = load_config(args.check)
-        found = check(
-            meta_model(config),
-            args.gpus,
-            hsdp=args.hsdp,
-            tp=args.tp,
-            owners=args.owners,
-            max_round_bytes=args.max_round_bytes or None,
-            head_dim=args.head_dim,
-        )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _refuse(f"--check {e}", 2)
+    try:
+        validate_config(config)
+        head_dim, _ = _head_dim(args, config)
+        matrices = muon_matrices(config, head_dim)
+    except ValueError as e:
+        return _refuse(f"--check {args.check!r}: {e}", 2)
+    if matrices * args.gpus > LONG_CHECK:
+        print(f"laying out {matrices:,} matrices on {args.gpus:,} ranks: this takes minutes", file=sys.stderr)
+    try:
+        found = check(
+            meta_model(config), args.gpus, hsdp=args.hsdp, tp=args.tp, owners=args.owners,
+            max_round_bytes=args.max_round_bytes or None, head_dim=head_dim,
+        )  # fmt: skip
+    except ValueError as e:
+        return _refuse(str(e), 1)
     print(report(args, config, found))
     return 0

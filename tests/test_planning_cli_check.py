@@ -1,0 +1,116 @@
+"""``python -m muon_dtensor plan --check`` as a user types it (a subprocess each): its help, inputs it
+refuses before any work (exit 2, a message naming the input and the limit, no traceback), and a
+report that reads like a check (readable units, the config's head_dim, a suggestion when the owners
+are unbalanced)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+REFUSE_S = 60  # a refusal is an import and a few checks: seconds, far from the minutes it replaces
+
+
+def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "muon_dtensor", "plan", *argv],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_check_help_lists_its_options() -> None:
+    done = _plan("--check", "--help")
+    assert done.returncode == 0, done.stderr
+    for option in (
+        "--check",
+        "--gpus",
+        "--hsdp",
+        "--tp",
+        "--head-dim",
+        "--owners",
+        "--ns-split",
+        "--max-round-bytes",
+    ):
+        assert option in done.stdout, option
+    assert "expected one argument" not in done.stderr
+
+
+def test_plan_help_lists_check_and_its_options() -> None:
+    done = _plan("--help")
+    assert done.returncode == 0, done.stderr
+    assert "check before launch (plan --check CONFIG --gpus N; plan --check --help)" in done.stdout
+    for option in ("--check CONFIG", "--hsdp R", "--tp T", "--head-dim D"):
+        assert option in done.stdout, option
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {
+    "nested": ('{"a": ' * 100_000 + "1" + "}" * 100_000, [], "nests JSON deeper than the reader allows"),
+    "a list": ("[1, 2]", [], "is not a model config: it holds a JSON list, not an object"),
+    "width 10^12": (
+        json.dumps(SMALL | {"hidden_size": 10**12}), [],
+        "config field 'hidden_size' is 1,000,000,000,000, above the limit of 1,048,576",
+    ),
+    "10^9 layers": (
+        json.dumps(SMALL | {"num_hidden_layers": 10**9}), [],
+        "config field 'num_hidden_layers' is 1,000,000,000, above the limit of 10,000",
+    ),
+    "10^6 experts": (
+        json.dumps(SMALL | {"num_local_experts": 10**6}), [],
+        "config field 'num_local_experts' is 1,000,000, above the limit of 65,536",
+    ),
+    "10^7 GPUs": (json.dumps(SMALL), ["--gpus", "10000000"], "argument --gpus: 10,000,000 is above the limit of 131,072"),
+    "negative round bytes": (
+        json.dumps(SMALL), ["--max-round-bytes", "-1"],
+        "argument --max-round-bytes: -1 is below 0: give a byte count, or 0 for one round",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_refused_before_any_work(tmp_path: Path, case: str) -> None:
+    text, extra, message = CASES[case]
+    start = time.monotonic()
+    done = _plan("--check", _config(tmp_path, text), *(extra or ["--gpus", "8"]))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert time.monotonic() - start < REFUSE_S
+
+
+def test_report_reads_like_a_check(tmp_path: Path) -> None:
+    """Bytes in units that fit a small model, the config's head_dim, and ns_split="auto" suggested for a
+    layer of large matrices on 16 GPUs, where the owners are unbalanced and splitting pays."""
+    small = _plan("--check", _config(tmp_path, json.dumps(SMALL | {"head_dim": 16})), "--gpus", "8")
+    assert small.returncode == 0, small.stderr
+    assert "| momentum (fp32) | 36.0 KiB | 36.0 KiB |" in small.stdout, small.stdout  # was 0.0 MiB
+    assert "0.0" not in small.stdout.split("| per rank |")[1].split("modelled step")[0]
+    assert (
+        "Muon's q, k, v: per head of 16 rows (the config's head_dim; --head-dim 0: whole matrices)"
+        in small.stdout
+    )
+    one = {"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 1, "num_attention_heads": 32}
+    big = _plan("--check", _config(tmp_path, json.dumps(one | {"vocab_size": 1000})), "--gpus", "16")
+    assert big.returncode == 0, big.stderr
+    assert "suggestion: owners are unbalanced (the busiest rank's Newton-Schulz is" in big.stdout
+    assert 'Muon(ns_split="auto") runs the largest matrices over a few ranks' in big.stdout
