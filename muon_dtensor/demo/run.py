@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         _show_clip(args, ours)
     seconds = time.perf_counter() - start
     _write(args, ours, theirs, seconds, cpu)
-    print(f"\ndone in {seconds:.0f} s")
+    print(f"\ndone in {seconds:.0f} s ({_load()})")
     return 0 if ok else 1
 
 
@@ -362,3 +362,12 @@ def _write(
         )
     else:
         print(f"\nwrote {path} and {png}")
+
+
+def _load() -> str:
+    """The machine's load, for reading the time: the demo's 2 ranks share the CPUs with whatever else runs."""
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:  # not on every platform
+        return f"{os.cpu_count()} CPUs"
+    return f"load average {one:.1f} over the last minute, {five:.1f} over five, on {os.cpu_count()} CPUs"
