@@ -40,6 +40,7 @@ from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh, unwrapped_param_names
 from ._warnings import single_process
 from .agree import agree, agree_save
+from .extra_tensors import fill, rank_entries, split_tensors, templates
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -84,6 +85,10 @@ def _saved_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any
     state = _state(model, optimizer)
     unwrapped_param_names(state.get("optim", {}))
     return state
+
+
+def _extra_entries(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    return rank_entries(tensors, collectives.rank_and_size(group)[0])
 
 
 def _check_arguments(step: int, extra: Any, keep_last: int | None) -> dict[str, Any]:
@@ -144,16 +149,17 @@ def save_checkpoint(
     step is never overwritten; ``keep_last`` (None or at least 1) deletes older complete steps. Any
     failure raises the same error on every rank, and leaves no half-published step.
     """
-    extra = agree_save(
+    given, extra = extra, agree_save(
         model, optimizer, process_group, lambda: _check_arguments(step, extra, keep_last),
         root=str(root), step=step, extra=extra, keep_last=keep_last,
     )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group)
     solo = _solo()
+    tensors = split_tensors(given)[1]
 
     def write_and_publish() -> Path:  # DCP's errors and _finalize's reach every rank alike
         with single_process(solo):
-            state = _saved_state(model, optimizer)
+            state = _saved_state(model, optimizer) | _extra_entries(tensors, process_group)
             dcp.save(state, checkpoint_id=str(tmp), process_group=process_group, no_dist=solo)
         return _finalize(tmp, final, step, extra, keep_last, process_group)
 
@@ -199,15 +205,14 @@ def async_save_checkpoint(
     """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
     ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
     the same step, or another async save, before then raises on every rank."""
-    extra = agree_save(
+    given, extra = extra, agree_save(
         model, optimizer, process_group, lambda: _check_arguments(step, extra, keep_last),
         "async_save_checkpoint", root=str(root), step=step, extra=extra, keep_last=keep_last,
     )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
-    future = dcp.async_save(
-        _saved_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=_solo()
-    )
+    state = _saved_state(model, optimizer) | _extra_entries(split_tensors(given)[1], process_group)
+    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=_solo())
     return PendingSave(
         future,
         lambda: discarding(lambda: _finalize(tmp, final, step, extra, keep_last, group), tmp, group),
@@ -293,6 +298,8 @@ def load_checkpoint(
     raise_together(
         attempt(lambda: check_compatible(folder, _flatten(state)[0]))[1], process_group, "load_checkpoint"
     )
+    rank = collectives.rank_and_size(process_group)[0]
+    state |= templates(manifest.get("extra", {}), rank, int(manifest.get("world_size", 1)))
     _read(folder, manifest["files"], state, process_group)
     _apply(state, model, optimizer, fresh)
     if fresh and collectives.rank_and_size(process_group)[0] == 0:
@@ -301,7 +308,7 @@ def load_checkpoint(
             "starts fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used",
             folder,
         )
-    return {"step": chosen, **manifest.get("extra", {})}
+    return {"step": chosen, **fill(manifest.get("extra", {}), state)}
 
 
 def _read(folder: Path, files: list[str], state: dict[str, Any], group: dist.ProcessGroup | None) -> None:

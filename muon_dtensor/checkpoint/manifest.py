@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ._dtypes import warn_converted_momentum
 from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
+from .extra_tensors import PLACEHOLDER, is_extra_tensor, split_tensors
 from .safe_read import METADATA, bytes_entries, is_file_name, read_entries, read_metadata
 
 __all__ = [
@@ -193,7 +194,8 @@ def check_extra(extra: Any) -> dict[str, Any]:
     """``extra`` as the manifest stores it (a copy), or TypeError / ValueError naming the first key JSON
     would not give back unchanged. Allowed: a dict with str keys (not ``"step"``, which
     ``load_checkpoint`` returns the step under) of str, int, finite float, bool, None, and lists and
-    dicts (str keys) of those. Not: tensors, tuples, int keys, NaN, subclasses (a numpy float)."""
+    dicts (str keys) of those, and plain dense tensors (``checkpoint/extra_tensors.py``: an RNG state
+    comes back exactly, as each rank's own). Not: tuples, int keys, NaN, subclasses (a numpy float)."""
     if extra is None:
         return {}
     if type(extra) is not dict:
@@ -204,8 +206,9 @@ def check_extra(extra: Any) -> dict[str, Any]:
             "use another key"
         )
     _check_json(extra, "extra", 0)
-    copy = json.loads(json.dumps(extra, allow_nan=False))  # a snapshot: an async save may publish later
-    if copy != extra:  # what the walk cannot see
+    stored = split_tensors(extra)[0]  # tensors as placeholders: their values are DCP entries
+    copy = json.loads(json.dumps(stored, allow_nan=False))  # a snapshot: an async save may publish later
+    if copy != stored:  # what the walk cannot see
         raise ValueError("extra does not survive JSON unchanged")
     return copy
 
@@ -216,13 +219,17 @@ def _check_json(value: Any, where: str, depth: int) -> None:
         raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH} levels (a circular reference?)")
     if kind is float and not math.isfinite(value):
         raise ValueError(f"{where} is {value}; JSON has no NaN or infinity")
-    if kind in _JSON_SCALARS:
+    if kind in _JSON_SCALARS or is_extra_tensor(value, where):
         return
     if kind is list:
         for i, item in enumerate(value):
             _check_json(item, f"{where}[{i}]", depth + 1)
         return
     if kind is dict:
+        if PLACEHOLDER in value:
+            raise ValueError(
+                f"{where}: the key {PLACEHOLDER!r} is reserved (it marks a tensor); use another key"
+            )
         for key, item in value.items():
             if type(key) is not str:
                 raise TypeError(
