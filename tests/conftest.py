@@ -1,19 +1,108 @@
-"""Session set-up: the pools of rank processes (tests/ranks.py) stop when the session ends."""
+"""Session set-up. Tiers (markers in pyproject.toml): plain ``pytest`` runs everything, as CI does;
+``pytest -m "not slow"`` is the fast loop (no demo runs, no fresh-process launches, samples of the
+exhaustive checks); ``-m integration`` selects what runs transformers/accelerate, Lightning or torchtitan.
+
+The pools of rank processes (tests/ranks.py) stop when the session ends; the demo
+runs that tests read run once per session (``demo_*`` fixtures), in the background from the end of
+collection, one after another, and only those a selected test reads; the tests that read them run
+last, so the runs overlap the rest of the session; a ``sample_of`` test gives way to its slow test."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests import ranks
 
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_TIMEOUT = 600  # seconds per demo run; generous: it shares the 2 cores with the rest of the session
+# The demo runs tests read, by fixture name: the demo's arguments and extra environment.
+DEMOS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    # as the README runs it, 12 steps: 2 ranks, killed after step 8, resumed on 1 (test_demo)
+    "demo_default": (("--steps", "12"), {}),
+    # one shorter run for two claims that need the demo's output, not a long run: forced to
+    # emulated bf16 it runs Newton-Schulz in float32 and says so (test_cpu_probe), and --qk-clip
+    # prints the logits before and after clipping (test_qk_clip)
+    "demo_emulated_qk_clip": (("--steps", "4", "--qk-clip", "1.2"), {"MUON_DTENSOR_CPU_BF16": "emulated"}),
+}
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pools() -> Iterator[None]:
     yield
     ranks.shutdown()
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect samples whose slow test runs too; move the tests that read a demo run to the end and
+    start those runs in the background."""
+    _deselect_samples(config, items)
+    reads = {item: set(getattr(item, "fixturenames", ())) & DEMOS.keys() for item in items}
+    names = [name for name in DEMOS if any(name in r for r in reads.values())]
+    if names:
+        items.sort(key=lambda item: bool(reads[item]))  # stable: the readers last, in their order
+        if not config.option.collectonly:
+            _RUNNERS.append(_DemoRunner(names))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _RUNNERS:
+        _RUNNERS.pop().close()
+
+
+def _deselect_samples(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``sample_of`` test is a seeded sample of a slow test's cases: where that test is selected
+    too (plain ``pytest``), it checks every case of the sample, so the sample is deselected."""
+    selected = {item.nodeid for item in items}
+    samples = []
+    for item in items:
+        marker = item.get_closest_marker("sample_of")
+        if marker is None:
+            continue
+        full = f"{item.nodeid.split('::')[0]}::{marker.args[0]}"
+        if full not in _module_tests(item):
+            raise pytest.UsageError(
+                f"{item.nodeid}: sample_of({marker.args[0]!r}) names no test of its module"
+            )
+        if full in selected:
+            samples.append(item)
+    if samples:
+        config.hook.pytest_deselected(items=samples)
+        items[:] = [item for item in items if item not in samples]
+
+
+def _module_tests(item: pytest.Item) -> set[str]:
+    """The node ids of the test functions in ``item``'s module, selected or not."""
+    module = item.getparent(pytest.Module)
+    assert module is not None
+    return {f"{module.nodeid}::{name}" for name in dir(module.obj) if name.startswith("test_")}
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How often rank pools started (each start imports torch on every rank and meets over gloo)."""
+    if ranks.STARTS:
+        seconds = sum(s for _, s, _ in ranks.STARTS)
+        sizes = sorted({w for w, _, _ in ranks.STARTS})
+        counts = ", ".join(f"{w} ranks: {sum(1 for x, _, _ in ranks.STARTS if x == w)}" for w in sizes)
+        terminalreporter.write_line(f"rank pools started: {len(ranks.STARTS)} ({counts}), {seconds:.1f} s")
+        if os.environ.get("MUON_DTENSOR_POOL_STARTS"):
+            for w, s, test in ranks.STARTS:
+                terminalreporter.write_line(f"  {w} ranks, {s:.1f} s, for {test}")
 
 
 @pytest.fixture
@@ -27,3 +116,97 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One ``python -m muon_dtensor demo`` as a user runs it: exit code, output, output folder."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def results(self) -> dict[str, Any]:
+        """The run's ``results.json``."""
+        return json.loads((self.out / "results.json").read_text())
+
+    def failure(self) -> str:
+        """What to show when the run failed."""
+        return self.stdout + self.stderr[-4000:]
+
+
+class _DemoRunner:
+    """The selected demo runs, one after another (two at once would crowd 2 cores), each a
+    ``python -m muon_dtensor demo`` subprocess in its own session, so that closing kills its ranks too."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="muon_dtensor_demos_"))
+        self.procs: list[subprocess.Popen] = []
+        self.closed = False
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo")
+        self.runs: dict[str, Future[DemoRun]] = {name: self.pool.submit(self._run, name) for name in names}
+
+    def _run(self, name: str) -> DemoRun:
+        args, env = DEMOS[name]
+        out, logs = self.folder / name, self.folder / f"{name}.log"
+        environ = {**os.environ, **env}
+        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        out.mkdir()
+        with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
+            if self.closed:
+                raise RuntimeError("the session ended before this demo run started")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "muon_dtensor", "demo", *args, "--out", str(out)],
+                cwd=ROOT, env=environ, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
+            )  # fmt: skip
+            self.procs.append(proc)
+            try:
+                code = proc.wait(timeout=DEMO_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                code = proc.wait()
+        err = logs.with_suffix(".err").read_text()
+        if code == -signal.SIGKILL:
+            err += f"\n(killed: no result after {DEMO_TIMEOUT} s, or the session ended)"
+        return DemoRun(code, logs.with_suffix(".out").read_text(), err, out)
+
+    def close(self) -> None:
+        """Kill what still runs (an interrupted session), then remove the outputs."""
+        self.closed = True
+        for future in self.runs.values():
+            future.cancel()
+        for proc in self.procs:
+            _kill(proc)
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the demo's session (the demo and its ranks) if it is still running."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+_RUNNERS: list[_DemoRunner] = []
+
+
+def _demo(name: str) -> DemoRun:
+    runner = next((r for r in _RUNNERS if name in r.runs), None)
+    if runner is None:  # requested outside the hook's view (e.g. by another fixture): run it now
+        runner = _DemoRunner([name])
+        _RUNNERS.append(runner)
+    return runner.runs[name].result()
+
+
+@pytest.fixture(scope="session")
+def demo_default() -> DemoRun:
+    """``DEMOS["demo_default"]``, once per session (test_demo)."""
+    return _demo("demo_default")
+
+
+@pytest.fixture(scope="session")
+def demo_emulated_qk_clip() -> DemoRun:
+    """``DEMOS["demo_emulated_qk_clip"]``, once per session (test_cpu_probe, test_qk_clip)."""
+    return _demo("demo_emulated_qk_clip")

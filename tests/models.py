@@ -4,6 +4,7 @@ one loop that steps several optimizers with the same full gradients."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -14,6 +15,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.optim import Optimizer
 
 Place = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Opt = TypeVar("Opt", bound=Optimizer)
+
+
+def dt(p: torch.Tensor | None) -> DTensor:
+    """``p`` as the DTensor it is: a parameter or gradient over a DTensor is one, which torch's
+    types do not say (``nn.Parameter``'s attributes are a plain tensor's)."""
+    assert isinstance(p, DTensor), type(p)
+    return p
 
 
 class Net(nn.Module):
@@ -38,7 +47,7 @@ def fsdp(model: nn.Module, mesh_shape: tuple[int, ...]) -> nn.Module:
     """fully_shard each of ``model.layers``, then the root: FSDP on a 1-D mesh, HSDP on a 2-D one."""
     names = ("dp",) if len(mesh_shape) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    for layer in model.layers:
+    for layer in cast(nn.ModuleList, model.layers):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -130,8 +139,8 @@ def stepped(
     mesh_shape: tuple[int, ...] | None,
     placements: Callable[[int], tuple],
     steps: int,
-    make_opt: Callable[[list[nn.Parameter]], Optimizer],
-) -> tuple[list[nn.Parameter], Optimizer]:
+    make_opt: Callable[[list[nn.Parameter]], Opt],
+) -> tuple[list[nn.Parameter], Opt]:
     """Seeded parameters of ``shapes`` and ``make_opt``'s optimizer over them after ``steps`` steps
     with the same seeded full gradients: parameter i sharded by ``placements(i)`` on a CPU mesh of
     ``mesh_shape``, or in one process (``None``)."""

@@ -38,11 +38,16 @@ from typing import IO, Any
 
 from muon_dtensor.tools.testing import RankError
 
-__all__ = ["RankError", "run_ranks", "shutdown"]
+__all__ = ["STARTS", "RankError", "run_ranks", "shutdown"]
 
 START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
 GRACE = 5.0  # seconds the other ranks get to report once one rank has failed
 MAX_THREADS = 1500  # per worker; about 6 per process group, so a few hundred device meshes
+
+
+# Every pool started in this session: (world size, seconds to start, the test that started it). A pool
+# starts on first use and again after one is retired; conftest.py prints the summary.
+STARTS: list[tuple[int, float, str]] = []
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -84,6 +89,7 @@ class _Pool:
     """``world_size`` worker processes, one gloo group, task files and result files in one folder."""
 
     def __init__(self, world_size: int) -> None:
+        start = time.monotonic()
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix=f"muon_dtensor_pool{world_size}_"))
         self.tasks = itertools.count()
@@ -106,6 +112,8 @@ class _Pool:
             for rank in range(world_size)
         ]
         self._wait_ready()
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+        STARTS.append((world_size, time.monotonic() - start, test))
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -141,11 +149,11 @@ class _Pool:
         values = _judge(outcomes, exits, hung, timeout, self._stderr(offsets))
         return values, max(o[2] for o in outcomes.values()), any(o[3] for o in outcomes.values())
 
-    def _collect(self, task: int, timeout: float) -> tuple[dict[int, tuple[str, Any, int]], bool]:
-        """Every rank's (status, value, threads) as far as it came; True if the deadline passed.
+    def _collect(self, task: int, timeout: float) -> tuple[dict[int, tuple[str, Any, int, bool]], bool]:
+        """Every rank's (status, value, threads, step failed) as far as it came; True if the deadline passed.
         Once a rank failed or died, the others get GRACE seconds: they may be stuck in a collective."""
         deadline = time.monotonic() + timeout
-        outcomes: dict[int, tuple[str, Any, int]] = {}
+        outcomes: dict[int, tuple[str, Any, int, bool]] = {}
         while True:
             silent_before = [r for r in range(self.world_size) if r not in outcomes]
             exited = [self.procs[r].poll() is not None for r in silent_before]  # before reading: no race

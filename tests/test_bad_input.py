@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from muon_dtensor import Muon
-from tests.models import full
+from tests.models import dt, full
 from tests.ranks import RankError, run_ranks
 
 CASES = [
@@ -86,9 +86,9 @@ def _param(shape: tuple[int, ...], mesh: DeviceMesh, placements: list | None = N
 
 def _grad_like(p: nn.Parameter) -> DTensor:
     """A gradient built from the local shard alone: no collective, so one rank may make it alone."""
-    local = torch.ones(p.to_local().shape)
+    local = torch.ones(dt(p).to_local().shape)
     return DTensor.from_local(
-        local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+        local, dt(p).device_mesh, dt(p).placements, shape=p.shape, stride=p.stride(), run_check=False
     )
 
 
@@ -118,7 +118,8 @@ def grads_on_other_params() -> None:
 def sparse_grad_on_one_rank() -> None:
     plain = nn.Parameter(torch.randn(4, 4))
     params = _two(_mesh())
-    opt = Muon([{"params": params}, {"params": [("head.w", plain)], "algorithm": "adamw"}])
+    groups: list[dict[str, Any]] = [{"params": params}, {"params": [("head.w", plain)], "algorithm": "adamw"}]
+    opt = Muon(groups)
     for _, p in params:
         p.grad = _grad_like(p)
     plain.grad = torch.ones(4, 4).to_sparse() if dist.get_rank() == 1 else torch.ones(4, 4)
@@ -133,7 +134,9 @@ def mislaid_grad_on_one_rank() -> None:
     if dist.get_rank() == 1:
         # A Partial gradient nobody reduced (built locally: DTensor metadata differs per rank).
         local = torch.ones(6, 4)
-        params[0][1].grad = DTensor.from_local(local, params[0][1].device_mesh, [Partial()], run_check=False)
+        params[0][1].grad = DTensor.from_local(
+            local, dt(params[0][1]).device_mesh, [Partial()], run_check=False
+        )
     opt.step()
 
 

@@ -7,7 +7,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -81,6 +81,7 @@ def test_each_rank_writes_only_its_shards(world_size: int, tmp_path: Path) -> No
         assert r["file_bytes"] >= r["local_state_bytes"]
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     """Fresh processes: a rank leaves through os._exit in the middle of a save."""
     root = str(tmp_path)
@@ -204,7 +205,7 @@ def bytes_per_rank(root: str) -> dict[str, int]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(6)), nn.Linear(256, 3, bias=False))
-    for i, layer in enumerate(model):
+    for i, layer in enumerate(cast(list[nn.Linear], list(model))):
         layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
         model[i] = layer
     opt = Muon(model.named_parameters())
@@ -234,7 +235,7 @@ def crash_during_save(root: str) -> None:
         def die(path: Path) -> dict[str, int]:
             os._exit(17)
 
-        ckpt.helpers.file_record = die  # type: ignore[assignment]
+        ckpt.helpers.file_record = die
     ckpt.save_checkpoint(root, 4, model, opt)
 
 

@@ -15,11 +15,13 @@ import builtins
 import errno
 import io
 import os
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,7 @@ from tests.models import build, full, model_grads, step_together
 from tests.ranks import run_ranks
 
 TIMEOUT = 90.0  # seconds per call: fresh processes start in a few; a hang is what this catches
+SAMPLE = 4  # faults drawn for the fast tier's full-disk test, besides the first and the last
 Outcome = tuple[str, str]  # (exception type or "ok", message)
 
 
@@ -52,9 +55,15 @@ class _Disk:
         self.read_only = False
         self.fail()
         self.real = (builtins.open, os.mkdir, os.replace)
+        self.rename_before = os.rename
         builtins.open = io.open = self.open
         os.mkdir = self.mkdir
         os.rename = os.replace = self.rename
+
+    def close(self) -> None:
+        """Put back what ``__init__`` patched."""
+        builtins.open = io.open = self.real[0]
+        os.mkdir, os.replace, os.rename = self.real[1], self.real[2], self.rename_before
 
     def fail(self, at: tuple[int, int] | None = None) -> None:
         """Start metering a save: no fault (None), or full at ``at``."""
@@ -124,28 +133,53 @@ class _Metered:
         self._f.close()
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     """Each rank's disk fills in turn: before the save, at the first, second, middle and last byte
     of every file it writes (its shard; on rank 0 also DCP's .metadata and the manifest, whose last
-    byte is the very end of the save) and at 7 more points of its shard."""
+    byte is the very end of the save) and at 7 more points of its shard. The default tier runs a
+    sample of these (the next test)."""
+    both = run_fresh(full_disks, 2, str(tmp_path), [0, 1], timeout=2 * TIMEOUT)  # one launch
     for who in (0, 1):
         root = tmp_path / f"rank{who}_full"
-        results = run_fresh(full_disk, 2, str(root), who, timeout=TIMEOUT)
+        results = [per_rank[who] for per_rank in both]
         faults = results[0]["faults"]
         files = 3 if who == 0 else 1  # rank 0: shard, .metadata, manifest; rank 1: its shard
         assert {k for k, _ in faults} == {-1, *range(files)} and len(faults) >= 4 * files + 7, faults
         assert who == 1 or (2, -1) in faults, faults  # rank 0: the last byte of the save
-        for i, fault in enumerate(faults):
-            seen = [r["outcomes"][i] for r in results]
-            assert seen[0] == seen[1], (who, fault, seen)
-            # OSError from our own steps (the folder, the manifest), CheckpointException from DCP's
-            # (torch.save can turn the ENOSPC into "unexpected pos" in its zip writer).
-            assert seen[0][0] in ("OSError", "CheckpointException"), (who, fault, seen[0])
-            assert results[0]["complete"][i] == [1], (who, fault, results[0]["complete"][i])
-        assert all(r["retry"] == ("ok", "") and r["resumed"] for r in results), results
-        assert ckpt.complete_steps(root) == [1, 2]
+        _check_full_disk(root, who, results)
 
 
+@pytest.mark.sample_of("test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint")
+def test_a_full_disk_at_sampled_bytes_raises_on_every_rank_and_keeps_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The fast tier's share of the test above: rank 0's disk (it writes the shard, .metadata and the
+    manifest) fills before the save, at the save's last byte and at 4 of the other points, drawn
+    with a fixed seed; the same checks on each."""
+    root = tmp_path / "rank0_full"
+    results = [
+        per_rank[0] for per_rank in run_fresh(full_disks, 2, str(tmp_path), [0], SAMPLE, timeout=TIMEOUT)
+    ]
+    faults = results[0]["faults"]
+    assert len(faults) == SAMPLE + 2 and (-1, 0) in faults and (2, -1) in faults, faults
+    _check_full_disk(root, 0, results)
+
+
+def _check_full_disk(root: Path, who: int, results: list[dict[str, Any]]) -> None:
+    """Every fault raised the same error on both ranks and kept step 1; then a retry saved step 2."""
+    for i, fault in enumerate(results[0]["faults"]):
+        seen = [r["outcomes"][i] for r in results]
+        assert seen[0] == seen[1], (who, fault, seen)
+        # OSError from our own steps (the folder, the manifest), CheckpointException from DCP's
+        # (torch.save can turn the ENOSPC into "unexpected pos" in its zip writer).
+        assert seen[0][0] in ("OSError", "CheckpointException"), (who, fault, seen[0])
+        assert results[0]["complete"][i] == [1], (who, fault, results[0]["complete"][i])
+    assert all(r["retry"] == ("ok", "") and r["resumed"] for r in results), results
+    assert ckpt.complete_steps(root) == [1, 2]
+
+
+@pytest.mark.slow
 def test_a_read_only_root_raises_on_every_rank(tmp_path: Path) -> None:
     results = run_fresh(read_only, 2, str(tmp_path), timeout=TIMEOUT)
     assert results[0]["outcome"] == results[1]["outcome"], results
@@ -248,14 +282,25 @@ def _faults(sizes: list[int], manifest_last: bool) -> list[tuple[int, int]]:
     return sorted(at | {(shard, sizes[shard] * j // 8) for j in range(1, 8)})
 
 
-def full_disk(root: str, who: int) -> dict[str, Any]:
-    """Step 1 is saved; then rank ``who``'s disk fills at each fault while step 2 is saved."""
+def full_disks(folder: str, whos: list[int], sample: int | None = None) -> list[dict[str, Any]]:
+    """``full_disk`` for each rank of ``whos`` in turn, each under its own root in ``folder``."""
+    return [full_disk(f"{folder}/rank{who}_full", who, sample) for who in whos]
+
+
+def full_disk(root: str, who: int, sample: int | None = None) -> dict[str, Any]:
+    """Step 1 is saved; then rank ``who``'s disk fills at each fault while step 2 is saved (with
+    ``sample``: the first and last fault and ``sample`` others, drawn with a fixed seed)."""
     model, opt = _trained()
     ckpt.save_checkpoint(root, 1, model, opt)
     at_one = _snapshot(model, opt)
     disk = _Disk(root)
     ckpt.save_checkpoint(root, 2, model, opt)  # a probe: what this rank writes for this save
-    box: list[Any] = [_faults(disk.sizes, manifest_last=who == 0)]
+    faults = _faults(disk.sizes, manifest_last=who == 0)
+    if sample is not None:
+        last = len(disk.sizes) - 1  # full from the start, and at the last byte of the last file
+        ends = [(-1, 0), (last, -1 if who == 0 else disk.sizes[last] - 1)]
+        faults = sorted(ends + random.Random(0).sample([f for f in faults if f not in ends], sample))
+    box: list[Any] = [faults]
     dist.broadcast_object_list(box, src=who)
     if dist.get_rank() == 0:
         shutil.rmtree(f"{root}/step_00000002")
@@ -270,6 +315,7 @@ def full_disk(root: str, who: int) -> dict[str, Any]:
     fresh, fresh_opt = _trained(seed=5)
     ckpt.load_checkpoint(root, fresh, fresh_opt, step=1)
     resumed = _same(_snapshot(fresh, fresh_opt), at_one)
+    disk.close()
     return {"faults": box[0], "outcomes": outcomes, "complete": complete, "retry": retry, "resumed": resumed}
 
 

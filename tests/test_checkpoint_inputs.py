@@ -91,7 +91,7 @@ def test_tensors_in_extra_come_back_exactly(tmp_path: Path) -> None:
     docs/resume.md tells a loop to restore its RNG state. Tensors are now DCP entries of the
     checkpoint (read as data), in their dtype, at any depth of extra."""
     torch.manual_seed(5)
-    extra = {
+    extra: dict[str, Any] = {
         "rng": torch.get_rng_state(),
         "nested": [{"t": torch.randn(3, 2).double()}, 7],
         "n": torch.tensor(3),

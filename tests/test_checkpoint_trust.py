@@ -71,11 +71,19 @@ def _load_error(root: Path, marker: Path | None = None) -> str:
     return str(caught.value)
 
 
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    """A root with step 1 of a trained Net and its Muon (two param groups)."""
+@pytest.fixture(scope="module")
+def _saved_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's one save: a root with step 1 of a trained Net and its Muon (two param groups)."""
     model, opt = trained_net()
-    ckpt.save_checkpoint(tmp_path / "root", 1, model, opt, extra={"data_step": 3})
+    root = tmp_path_factory.mktemp("trust") / "root"
+    ckpt.save_checkpoint(root, 1, model, opt, extra={"data_step": 3})
+    return root
+
+
+@pytest.fixture
+def saved(_saved_once: Path, tmp_path: Path) -> Path:
+    """A copy of the module's save for this test to tamper with (file for file, as saved)."""
+    shutil.copytree(_saved_once, tmp_path / "root")
     return tmp_path / "root"
 
 

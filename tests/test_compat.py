@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ def _save(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer])
 
 def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     planner = DefaultLoadPlanner(allow_partial_load=True)
     dcp.load(state, checkpoint_id=str(path), planner=planner, no_dist=True)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -118,11 +118,12 @@ def state_init_through_dcp() -> dict[str, Any]:
     opt.state.clear()
     before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     _, optim_sd = get_state_dict(model, opt)
+    state = cast(dict[Any, dict[str, Any]], optim_sd["state"])
     after = {n: full(p.detach()) for n, p in model.named_parameters()}
     return {
         "unchanged": all(torch.equal(before[n], after[n]) for n in before),
-        "keys": sorted({k for s in optim_sd["state"].values() for k in s}),
-        "params_with_state": len(optim_sd["state"]),
+        "keys": sorted({k for s in state.values() for k in s}),
+        "params_with_state": len(state),
         "params": len(before),
         "lr_restored": opt.param_groups[0]["lr"] == 0.02,
     }

@@ -130,6 +130,7 @@ def test_transformer_shapes_spell_each_layer() -> None:
     assert CURRENT.pre_bytes + CURRENT.post_bytes == 88.0  # the count in Implementation's docstring
 
 
+@pytest.mark.slow
 def test_gpu_script_exits_2_with_a_message_without_cuda() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -159,3 +160,30 @@ def test_pipelined_rounds_beat_one_round_for_llama3_8b() -> None:
         pipelined, single = predict(LLAMA3_8B, n), predict(LLAMA3_8B, n, impl=one_round)
         assert pipelined.total < single.total
         assert pipelined.bytes_sent_mean == pytest.approx(single.bytes_sent_mean, rel=1e-12)
+
+
+def test_predictions_are_cached_and_equal_the_arithmetic() -> None:
+    """``predict`` computes each setting once (the tests, the docs and the planning CLI ask for the
+    same 1,024-rank predictions, seconds each): a repeat is the same frozen object, equal to the
+    uncached arithmetic; with one replica group every ``owners`` is the same entry, and any other
+    argument that changes is a new one. Unhashable arguments are computed, not refused."""
+    from muon_dtensor.planning.costmodel import _predict
+
+    shapes = transformer_shapes(2, 256)
+    first = predict(shapes, 16, split=True)
+    assert predict(list(shapes), 16, split=True) is first
+    args = (tuple(shapes), 16, Hardware.h200(), "owner", CURRENT, 5, 2, "standard", 1, "replica", True)
+    assert _predict(*args) == first
+    assert predict(shapes, 16, owners="auto", split=True) is first
+    assert predict(shapes, 16, owners="mesh", replicas=2, split=True) != first
+    assert predict(shapes, 16, split=False) is not first and predict(shapes, 8, split=True) != first
+    as_json = [[256, 256]] * 4 + [[1024, 256]]  # shapes as JSON gives them back: lists
+    assert predict(as_json, 16) == predict([(256, 256)] * 4 + [(1024, 256)], 16)  # type: ignore[arg-type]
+    redundant = predict(shapes, 16, mode="redundant", owners="auto")
+    assert redundant.owners == "auto" and predict(shapes, 16, mode="redundant").owners == "replica"
+
+    class Unhashable(Hardware):
+        __hash__ = None  # type: ignore[assignment]
+
+    hw = Unhashable(**vars(Hardware.h200()))
+    assert predict(shapes, 16, hw, split=True) == first

@@ -4,9 +4,6 @@ dtype (fp32 where bf16 is emulated, printed) and bench_step.py's matrix-set size
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.budget import DEFAULT, choose_size, step_equivalents  # noqa: E402
+from tests.conftest import DemoRun  # noqa: E402
 
 # One-thread rates quoted in the issue: AVX512-BF16 (native) and AVX2-only (emulated) CPUs.
 NATIVE_RATES, EMULATED_RATES = (215.0, 74.0), (1.3, 74.0)
@@ -64,17 +62,14 @@ def test_demo_choice_follows_the_probe() -> None:
     assert fp32.config.dtype == torch.float32
 
 
-def test_demo_forced_emulated_runs_newton_schulz_in_fp32_and_says_so(tmp_path: Path) -> None:
-    env = {**os.environ, ENV: EMULATED}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-m", "muon_dtensor", "demo", "--steps", "4", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+@pytest.mark.slow
+def test_demo_forced_emulated_runs_newton_schulz_in_fp32_and_says_so(demo_emulated_qk_clip: DemoRun) -> None:
+    """The session's forced-emulated demo run (it also has --qk-clip, which test_qk_clip reads)."""
+    done = demo_emulated_qk_clip
+    assert done.returncode == 0, done.failure()
     assert f"CPU bf16 emulated (forced by {ENV}=emulated)" in done.stdout
     assert "runs Newton-Schulz in float32 (ns_dtype=torch.float32)" in done.stdout
-    environment = json.loads((tmp_path / "results.json").read_text())["environment"]
+    environment = done.results()["environment"]
     assert environment["ns_dtype"] == "float32" and environment["bf16_probe"]["kind"] == EMULATED
 
 

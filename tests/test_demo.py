@@ -7,31 +7,20 @@ double must lose half its momentum buffers and diverge.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from muon_dtensor.demo.report import Outcome, verdict
 from muon_dtensor.demo.run import main
-
-ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT = 300  # seconds; generous because other test suites may share the 2 cores
+from tests.conftest import DemoRun
 
 
-def test_demo_crashes_resumes_on_another_world_size_and_passes(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "muon_dtensor", "demo", "--steps", "12", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr[-4000:]
+@pytest.mark.slow
+def test_demo_crashes_resumes_on_another_world_size_and_passes(demo_default: DemoRun) -> None:
+    out, done = demo_default.stdout, demo_default
+    assert done.returncode == 0, done.failure()
     verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith("verdict: PASS: resumed on 1 rank from a 2-rank checkpoint, the run tracks")
     assert "within float tolerance (largest parameter difference 0, bitwise equal)" in verdict
@@ -41,7 +30,7 @@ def test_demo_crashes_resumes_on_another_world_size_and_passes(tmp_path: Path) -
     assert "| momentum buffers restored | 12 of 12 | 6 of 12 |" in out
     assert "killed after 8" in done.stderr and "12/12 steps" in done.stderr  # the progress bars
 
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = done.results()
     ours, theirs = results["muon_dtensor"], results["round_robin"]
     assert set(ours["largest_parameter_difference"].values()) == {0.0}
     assert theirs["largest_parameter_difference"]["12"] > 1e-3  # round-robin lost momentum and diverged

@@ -49,6 +49,7 @@ def test_layouts_the_demo_builds_are_what_they_say(layout: str, world: int) -> N
     assert shape.replicas == (2 if layout == "hsdp" else 1) and shape.tp == (2 if layout == "fsdp-tp" else 1)
 
 
+@pytest.mark.slow
 def test_the_command_exits_2_with_the_message() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(

@@ -27,6 +27,7 @@ def test_unknown_command_says_why(capsys: pytest.CaptureFixture[str], argv: list
     assert reason in err and "usage: python -m muon_dtensor {demo,plan}" in err
 
 
+@pytest.mark.slow
 def test_as_a_module() -> None:
     """The real command line: ``-m`` runs ``main`` and exits with its status."""
     done = subprocess.run([sys.executable, "-m", "muon_dtensor", "--version"], capture_output=True, text=True)

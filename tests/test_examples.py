@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +62,7 @@ def _two_nodes(tmp_path: Path, *args: str) -> str:
     return "\n".join(text)
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_train_resume_and_export(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     first = _two_nodes(tmp_path, "--steps", "4", "--save-every", "2", "--ckpt", str(ckpt))

@@ -114,7 +114,7 @@ def _save_and_load(model: nn.Module, opt: Muon, into: nn.Module, into_opt: Muon,
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     model_sd, optim_sd = get_state_dict(into, into_opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(into, into_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

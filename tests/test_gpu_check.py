@@ -45,6 +45,7 @@ def dry_run(
     return proc, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_part_has_a_status(dry_run: tuple[Any, dict[str, Any]]) -> None:
     _, payload = dry_run
     parts = payload["parts"]
@@ -57,6 +58,7 @@ def test_every_part_has_a_status(dry_run: tuple[Any, dict[str, Any]]) -> None:
     assert payload["full_run_estimate"]["assumed_bf16_tflops"] > 0
 
 
+@pytest.mark.slow
 def test_batch_independence_compares_every_batch_and_position(dry_run: tuple[Any, dict[str, Any]]) -> None:
     result = dry_run[1]["parts"]["a"]["result"]
     assert result["shapes_checked"] == len(result["rows"]) == 3
@@ -70,6 +72,7 @@ def test_batch_independence_compares_every_batch_and_position(dry_run: tuple[Any
         assert isinstance(row["torch_optim_muon"]["equal"], bool)
 
 
+@pytest.mark.slow
 def test_ns_speed_rows_hold_the_flops_arithmetic(dry_run: tuple[Any, dict[str, Any]]) -> None:
     result = dry_run[1]["parts"]["b"]["result"]
     peak = result["peak"]
@@ -90,6 +93,7 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(dry_run: tuple[Any, dict[str, A
         assert r["finite"]
 
 
+@pytest.mark.slow
 def test_step_part_counts_ops_and_host_time(dry_run: tuple[Any, dict[str, Any]]) -> None:
     result = dry_run[1]["parts"]["c"]["result"]
     assert result["host_model_us_per_op"] == pytest.approx(5.0)
@@ -103,6 +107,7 @@ def test_step_part_counts_ops_and_host_time(dry_run: tuple[Any, dict[str, Any]])
     assert result["contenders"]["muon_dtensor.Muon"]["top_op_names"]
 
 
+@pytest.mark.slow
 def test_cuda_only_parts_are_skipped_with_a_reason(dry_run: tuple[Any, dict[str, Any]]) -> None:
     parts = dry_run[1]["parts"]
     d, e = parts["d"], parts["e"]
@@ -113,6 +118,7 @@ def test_cuda_only_parts_are_skipped_with_a_reason(dry_run: tuple[Any, dict[str,
     assert len(runs) == 4 and all(r.get("bitwise_equal") for r in runs.values()), runs  # the harness on gloo
 
 
+@pytest.mark.slow
 def test_printed_full_run_estimate_fits_eight_minutes(dry_run: tuple[Any, dict[str, Any]]) -> None:
     proc, payload = dry_run
     found = re.search(r"estimate for the full run: (\d+) s", proc.stdout)
@@ -131,6 +137,7 @@ def test_budget_trims_repetitions_first_then_compiles() -> None:
     assert tighter.trims == ["compile: True -> False"]  # fewer repetitions no longer needed
 
 
+@pytest.mark.slow
 def test_full_run_without_cuda_exits_2(tmp_path: Path) -> None:
     proc = run_script(out=tmp_path)
     assert proc.returncode == 2, proc.stderr

@@ -24,6 +24,7 @@ from muon_dtensor.tools.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.integration
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "hf_trainer.md"
 
@@ -40,6 +41,7 @@ def test_guide_blocks_compile() -> None:
         compile(block, f"docs/hf_trainer.md, python block {i}", "exec")
 
 
+@pytest.mark.slow
 def test_optimizer_form_trains_in_one_process(tmp_path: Path) -> None:
     (out,) = run_ranks(run_block, 1, str(tmp_path), [0], timeout=240)
     assert out["optimizer"] == "Muon" and not out["fsdp"] and not out["dtensors"]
@@ -47,6 +49,7 @@ def test_optimizer_form_trains_in_one_process(tmp_path: Path) -> None:
     assert len(out["losses"]) == 4 and out["losses"][-1] < out["losses"][0], out["losses"]
 
 
+@pytest.mark.slow
 def test_factory_form_trains_fsdp2_on_two_ranks(tmp_path: Path) -> None:
     per_rank = run_ranks(run_block, 2, str(tmp_path), [2, 1], timeout=300)
     for out in per_rank:
@@ -79,7 +82,7 @@ def run_block(root: str, order: list[int]) -> dict[str, Any]:
     for i in order:
         if i == 1:  # the FSDP2 block: its `from transformers import Trainer` gets the CPU mixin's Trainer
             # (transformers swaps its module in sys.modules once loaded: patch the one imports read)
-            sys.modules["transformers"].Trainer = namespace["CpuFsdpTrainer"]
+            sys.modules["transformers"].Trainer = namespace["CpuFsdpTrainer"]  # type: ignore[attr-defined]
             os.environ["ACCELERATE_USE_CPU"] = "true"  # as the page says for CPU ranks
         exec(compile(blocks()[i], f"docs/hf_trainer.md block {i}", "exec"), namespace)  # noqa: S102
     trainer = namespace["trainer"]

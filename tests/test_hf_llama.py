@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.integration
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -38,6 +39,7 @@ TOTAL, SPLIT = 6, 3
 MICRO, MICRO_SIZE, SEQ = 2, 4, 16  # the batch: MICRO micro-batches of MICRO_SIZE sequences
 
 
+@pytest.mark.slow
 def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     straight, first = run_ranks(uninterrupted_and_save_part, 2, root, TOTAL, SPLIT, timeout=240)[0]
@@ -136,8 +138,9 @@ def uninterrupted_and_save_part(root: str, total: int, split: int) -> tuple[dict
 def resume(root: str, total: int) -> dict[str, Any]:
     model = build(seed=5)
     opt = optimizer(model)
-    step = ckpt.load_checkpoint(root, model, opt)["step"]
-    return {"losses": train(model, opt, range(step, total)), "params": _weights(model)}
+    info = ckpt.load_checkpoint(root, model, opt)
+    assert info is not None
+    return {"losses": train(model, opt, range(info["step"], total)), "params": _weights(model)}
 
 
 def from_safetensors(folder: str) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from tests.models import full
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.integration
 Trainer: Any = transformers.Trainer
 TrainerCallback: Any = transformers.TrainerCallback
 
@@ -45,6 +46,7 @@ KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 Snapshot = dict[str, torch.Tensor]
 
 
+@pytest.mark.slow
 def test_trainer_fsdp2_resumes_momentum_and_run_exactly(tmp_path: Path) -> None:
     first = run_ranks(train_and_save, 2, str(tmp_path), timeout=240)
     # accelerate's two formats for the optimizer: DCP shards, or one full file from rank 0

@@ -54,7 +54,7 @@ def counts(layers: int, path: str) -> dict[str, Any]:
     return {"measured": measured, "model": model_count(opt, path == "always")}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("path", ["never", "always"])
 def test_host_term_equals_the_profilers_count(world_size: int, path: str) -> None:
     for layers in (8, 16):

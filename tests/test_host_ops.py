@@ -53,6 +53,7 @@ def test_a_bad_value_is_refused_with_the_variable_the_value_and_the_choices(
         batching("cpu")
 
 
+@pytest.mark.slow
 def test_a_bad_value_stops_the_import() -> None:
     """Every rank fails at import, before any collective (a rank that owns no matrix never asks)."""
     env = {**os.environ, BATCH_ENV: "sometimes", "PYTHONPATH": os.getcwd()}

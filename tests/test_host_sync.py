@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
-from tests.models import build, model_grads, step_together
+from tests.models import build, dt, model_grads, step_together
 from tests.ranks import RankError, run_ranks
 
 T = torch.Tensor
@@ -84,8 +84,8 @@ def steady_step_reads() -> dict[str, Any]:
     grads = model_grads(model, 40)
     step_together([(params, opt)], grads, range(2))  # build plans and state
     for p, g in zip(params, grads(2)):
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-    device = [local_of(t) for p in params for t in (p, p.grad)]
+        p.grad = distribute_tensor(g, dt(p).device_mesh, dt(p).placements)
+    device = [local_of(t) for p in params for t in (p, dt(p.grad))]
     device += [local_of(v) for p in params for k, v in opt.state[p].items() if k != "step"]
     watch = SyncWatch(device)
     real = dist.all_to_all_single
@@ -94,7 +94,7 @@ def steady_step_reads() -> dict[str, Any]:
         watch.mark(out, inp)  # the exchange buffers are device tensors
         return real(out, inp, *a, **k)
 
-    dist.all_to_all_single = all_to_all
+    dist.all_to_all_single = all_to_all  # type: ignore[assignment]
     try:
         with watch:
             opt.step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.optim.group_sharding import layout_of
-from tests.models import MLP, model_grads, shard_mlp, step_together
+from tests.models import MLP, dt, model_grads, shard_mlp, step_together
 from tests.ranks import run_ranks
 
 LAYOUTS = [
@@ -136,7 +136,7 @@ def blocks_match_dtensor(mesh_shape: tuple[int, ...], names: tuple[str, ...]) ->
     """Our block of every parameter against what DTensor actually put on this rank: the global
     tensor holds its own flat indices, so the local values name the indices this rank holds."""
     torch.manual_seed(0)
-    model = MLP()
+    model: nn.Module = MLP()
     for p in model.parameters():
         p.data = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
     model = shard_mlp(model, mesh_shape, names)
@@ -162,8 +162,9 @@ def resume_mlp(root: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], t
     torch.manual_seed(1)
     model = shard_mlp(MLP(), mesh_shape, names)
     opt = Muon(split_params(model), lr=0.02)
-    step = ckpt.load_checkpoint(root, model, opt)["step"]
-    _train([(model, opt)], range(step, total))
+    info = ckpt.load_checkpoint(root, model, opt)
+    assert info is not None
+    _train([(model, opt)], range(info["step"], total))
     torch.manual_seed(0)
     ref = MLP()
     ref_opt = Muon(split_params(ref), lr=0.02)
@@ -175,10 +176,10 @@ def _gap(model: nn.Module, ref: nn.Module, get: Callable[[torch.Tensor], torch.T
     """Largest difference between this rank's pieces and the same indices of the reference."""
     out = 0.0
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        if isinstance(p, DTensor) and get(p).to_local().numel():
+        if isinstance(p, DTensor) and dt(get(p)).to_local().numel():
             layout = layout_of(p, n)
             piece = _piece(get(q), layout.blocks[layout.rank])
-            out = max(out, float((piece - get(p).to_local()).abs().max()))
+            out = max(out, float((piece - dt(get(p)).to_local()).abs().max()))
     return out
 
 
@@ -191,7 +192,9 @@ def train_fsdp_tp(steps: int = 6) -> dict[str, Any]:
     model = shard_mlp(copy.deepcopy(ref), (2, 2), ("dp", "tp"))
     opt, ref_opt = Muon(split_params(model), lr=0.02), Muon(split_params(ref), lr=0.02)
     dp_rank = dist.get_rank() // 2
-    losses, ref_losses, grad_gap = [], [], 0.0
+    losses: list[float] = []
+    ref_losses: list[float] = []
+    grad_gap = 0.0
     for step in range(steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         for m, o, batch, out in (
@@ -203,7 +206,7 @@ def train_fsdp_tp(steps: int = 6) -> dict[str, Any]:
             loss.backward()
             out.append(float(loss.detach()))
         if step == 0:
-            grad_gap = _gap(model, ref, lambda t: t.grad)
+            grad_gap = _gap(model, ref, lambda t: cast(torch.Tensor, t.grad))
         opt.step()
         ref_opt.step()
     gap = _gap(model, ref, lambda t: t.detach())

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tests.ranks import run_ranks
 
 L = pytest.importorskip("lightning")
+pytestmark = pytest.mark.integration
 from lightning.pytorch import Callback  # noqa: E402 - after the skip
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning" / "train.py"
@@ -155,6 +156,7 @@ def cut_and_whole(folder: str) -> dict[str, Any]:
     return {"whole": {k: whole[k] for k in ("losses", "step", "digest")}, **runs}
 
 
+@pytest.mark.slow
 def test_lightning_model_parallel_resume_is_its_twin(tmp_path: Path) -> None:
     results = run_ranks(cut_and_whole, 2, str(tmp_path), timeout=180)
     for rank, r in enumerate(results):
@@ -228,6 +230,7 @@ def fabric_cut_and_whole(folder: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_fabric_model_parallel_resume_is_its_twin(tmp_path: Path) -> None:
     for rank, r in enumerate(run_ranks(fabric_cut_and_whole, 2, str(tmp_path), timeout=180)):
         first, twin, resumed = r["losses"]
@@ -250,6 +253,7 @@ def example_commands(folder: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_example_commands_resume_to_the_same_weights(tmp_path: Path) -> None:
     whole, cut, resumed = run_ranks(example_commands, 2, str(tmp_path), timeout=180)[0]
     assert whole.splitlines()[-1].startswith("global_step 8 weights "), whole

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import export_safetensors, load_checkpoint, load_safetensors, save_checkpoint
+from tests.models import dt
 from tests.ranks import run_ranks
 
 
@@ -39,7 +40,7 @@ def _model(seed: int) -> tuple[nn.Module, Muon]:
 
 
 def _snapshot(model: nn.Module, opt: Muon) -> list[torch.Tensor]:
-    tensors = [p.full_tensor() for p in model.parameters()]
+    tensors = [dt(p).full_tensor() for p in model.parameters()]
     return tensors + [
         v.full_tensor() for s in opt.state.values() for v in s.values() if hasattr(v, "full_tensor")
     ]
@@ -92,7 +93,7 @@ def run_cases(root: str) -> dict[str, Any]:
         partial = {k: v for k, v in tensors.items() if k != "2.bias"}
         save_file(partial, str(base / "hf_partial" / "model.safetensors"))
     dist.barrier()
-    out = {}
+    out: dict[str, tuple[str | None, str, bool]] = {}
     for name in CASES:
         model, opt = _model(1)  # other values than the saved ones
         before = _snapshot(model, opt)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.optim.group_sharding import layout_of
-from tests.models import MLP
+from tests.models import MLP, dt
 from tests.ranks import run_ranks
 
 MESHES = [((2, 2), ("dp", "tp")), ((1, 2, 2), ("replicate", "shard", "tp"))]
@@ -61,13 +61,13 @@ def mixed_mesh_exactness(mesh_shape: tuple[int, ...], names: tuple[str, ...], st
             q.grad = g.clone()
             local = _piece(g, p, n).contiguous()
             p.grad = DTensor.from_local(
-                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+                local, dt(p).device_mesh, dt(p).placements, shape=p.shape, stride=p.stride(), run_check=False
             )
         opt.step()
         ref_opt.step()
     bad = []
     for (n, p), q in zip(named.items(), ref.parameters()):
-        if not torch.equal(p.to_local(), _piece(q.detach(), p, n)):
+        if not torch.equal(dt(p).to_local(), _piece(q.detach(), p, n)):
             bad.append(n)
         buf, ref_buf = opt.state[p].get("momentum_buffer"), ref_opt.state[q].get("momentum_buffer")
         if buf is not None and not torch.equal(buf.to_local(), _piece(ref_buf, p, n)):

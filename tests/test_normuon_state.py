@@ -45,7 +45,9 @@ def swapped_for_dtensors(steps: int = 3) -> dict[str, Any]:
             p.grad, q.grad = (distribute_tensor(g, mesh, [Shard(1)]) if step else g.clone()), g.clone()
         opt.step()
         ref_opt.step()
-    bad = [i for i, (p, q) in enumerate(zip(params, ref)) if not torch.equal(full(p.detach()), q.detach())]
+    bad: list[int | str] = [
+        i for i, (p, q) in enumerate(zip(params, ref)) if not torch.equal(full(p.detach()), q.detach())
+    ]
     seconds = [opt.state[p][KEY] for p in params]
     bad += [
         f"{i} {KEY}"
@@ -166,7 +168,9 @@ def strided_last_dim() -> str:
     """Rank function: a parameter whose columns are interleaved (_StridedShard on the last dim)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     placement = _StridedShard(1, split_factor=2)
-    p = DTensor.from_local(torch.zeros(4, 4), mesh, [placement], shape=(4, 8), stride=(8, 1), run_check=False)
+    p = DTensor.from_local(
+        torch.zeros(4, 4), mesh, [placement], shape=torch.Size((4, 8)), stride=(8, 1), run_check=False
+    )
     try:
         Muon([{"params": [("w", nn.Parameter(p))], "normuon": True}])
     except ValueError as e:

@@ -17,7 +17,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import pytest
@@ -50,7 +50,9 @@ def _net(seed: int, ranks: int | None = None, wrapped: bool = False) -> nn.Modul
         layers: Any = model.layers
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
-        model.lm_head = checkpoint_wrapper(model.lm_head)  # split_params must still see a head
+        model.lm_head = checkpoint_wrapper(
+            cast(nn.Module, model.lm_head)
+        )  # split_params must still see a head
     if ranks is not None:
         model = fsdp(model, (ranks,))
     if wrapped:
@@ -237,6 +239,7 @@ def test_safetensors_fill_persistent_buffers_not_others(tmp_path: Path) -> None:
     assert torch.equal(target.get_buffer("scale"), torch.full((4,), 2.0))
 
 
+@pytest.mark.integration
 def test_llama_save_pretrained_into_a_sharded_model(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tests.test_hf_llama import config

@@ -10,7 +10,7 @@ stage or both) leave the other stage and later process groups alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -74,7 +74,7 @@ def pipeline_exactness(steps: int) -> dict[str, Any]:
         grads += [
             f"{step}:{n}"
             for n, p in pipe.model.named_parameters()
-            if not torch.equal(full(p.grad), refs[n].grad)
+            if not torch.equal(full(cast(torch.Tensor, p.grad)), cast(torch.Tensor, refs[n].grad))
         ]
         pipe.opt.step()
         ref_opt.step()
@@ -124,7 +124,7 @@ def stage_owners(owners: str) -> dict[str, Any]:
     model, ref = part(stack(), stage), part(stack(), stage)
     for module in [*model.layers.values(), model]:
         fully_shard(module, mesh=mesh["rep", "shard"])
-    chosen = "mesh" if owners == "mesh" or stage == 0 else "replica"
+    chosen: Literal["mesh", "replica"] = "mesh" if owners == "mesh" or stage == 0 else "replica"
     opt, ref_opt = Muon(split_params(model), lr=0.02, owners=chosen), muon(ref)
     for step in range(2):
         _synthetic_steps(model, opt, ref, ref_opt, 20 + step)

@@ -82,7 +82,7 @@ def save(model: nn.Module, opt: Muon, path: str) -> None:
 
 def load(model: nn.Module, opt: Muon, path: str) -> None:
     model_sd, optim_sd = get_state_dict(model, opt, options=PER_FQN)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(
         model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=PER_FQN

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess per test
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
     "hidden_size": 64,

@@ -12,6 +12,7 @@ import gc
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -50,6 +51,7 @@ def restart_in_process(store: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_groups_are_recreated_after_the_process_group_restarts(tmp_path: Path) -> None:
     results = run_ranks(restart_in_process, 2, str(tmp_path / "store2"), timeout=90)
     for rank, r in enumerate(results):

@@ -24,6 +24,7 @@ from muon_dtensor.demo.logits import record_demo_logits
 from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
 from tests.conftest import DemoRun
+from tests.models import dt
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,9 +240,9 @@ def bad_calls() -> dict[str, str]:
         "nan_on_rank_0": lambda: qk_clip_(q, k, on(0, torch.tensor([math.nan] * 6)), head_dim=4),
         "inf_on_rank_1": lambda: qk_clip_(q, k, on(1, torch.tensor([math.inf] * 6)), head_dim=4),
     }
-    before = [w.to_local().clone() for w in (q, k)]
+    before = [dt(w).to_local().clone() for w in (q, k)]
     out = {case: _error(call) for case, call in calls.items()}
-    out["unchanged"] = str(all(torch.equal(w.to_local(), b) for w, b in zip((q, k), before)))
+    out["unchanged"] = str(all(torch.equal(dt(w).to_local(), b) for w, b in zip((q, k), before)))
     out["then"] = str(float(qk_clip_(q, k, good + 100 * rank, head_dim=4).max_logits.max()))
     return out
 
@@ -263,13 +264,14 @@ def _llama(attn_implementation: str) -> nn.Module:
 
     torch.manual_seed(0)
     return LlamaForCausalLM(
-        LlamaConfig(
+        LlamaConfig(  # type: ignore[call-arg]
             vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn_implementation,
         )
     )  # fmt: skip
 
 
+@pytest.mark.integration
 def test_llama_recorder_sees_what_eager_softmax_sees_and_clipping_lands_on_tau() -> None:
     """GQA (4 query heads, 2 key heads) and rotary embeddings: the recorder's values are the max of the
     tensor eager attention hands to softmax, bit for bit. Clipping the first layer with them at their
@@ -375,6 +377,7 @@ def test_demo_training_with_qk_clip_on_fsdp_x_tp() -> None:
         assert after < before if clipped else after == before
 
 
+@pytest.mark.slow
 def test_demo_option_prints_logits_before_and_after(
     demo_emulated_qk_clip: DemoRun, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ every rank, naming the argument and both values, instead of aborting (gloo, a di
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -179,7 +180,7 @@ def disagreeing_calls(layout: str) -> dict[str, Any]:
     q, k, v = models[0].q.weight, models[0].k.weight, logits[0]
     both = {f"block{i}": (m.q.weight, m.k.weight, x) for i, (m, x) in enumerate(zip(models, logits))}
     mine = [3, 2] if rank else [2, 3]  # a rank's own shapes: only plain tensors can differ
-    bad = {
+    bad: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "head_dim": ({"head_dim": 4 if rank == 0 else 2}, both),
         "threshold": ({"head_dim": 4, "threshold": 100.0 if rank == 0 else 50.0}, both),
         "alpha": ({"head_dim": 4, "alpha": 0.5 if rank == 0 else 0.25}, both),
@@ -189,9 +190,9 @@ def disagreeing_calls(layout: str) -> dict[str, Any]:
     before = _local(models)
     out: dict[str, Any] = {}
     for case, (kwargs, layers) in bad.items():
-        out[f"all_{case}"] = _error(lambda kw=kwargs, ls=layers: qk_clip_all_(ls, **kw))
+        out[f"all_{case}"] = _error(functools.partial(qk_clip_all_, layers, **kwargs))
         if case not in ("order", "layers"):
-            out[f"one_{case}"] = _error(lambda kw=kwargs: qk_clip_(q, k, v, **kw))
+            out[f"one_{case}"] = _error(functools.partial(qk_clip_, q, k, v, **kwargs))
     if layout == "plain":
         shaped = torch.zeros(4 * mine[0], 10)
         out["one_shape"] = _error(

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 from muon_dtensor.tools.testing import run_ranks
+from tests.models import dt
 
 BOUND_S = 20.0  # what the peers may take; they raise about one polling interval after the failure
 LINGER_S = 60.0  # how long the raising rank stays alive waiting for its peers' reports
@@ -45,7 +46,7 @@ def _failing(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
 def _step(opt: Muon, params: list[nn.Parameter], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in params:
-        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, [Shard(0)])
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), dt(p).device_mesh, [Shard(0)])
     opt.step()
 
 
@@ -75,6 +76,7 @@ def one_rank_raises(folder: str, failing_rank: int) -> dict[str, Any]:
     return outcome
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_peers_of_a_raising_rank_raise_in_bounded_time(tmp_path: Path, world: int) -> None:
     started = time.monotonic()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tests.ranks import GRACE, RankError, run_ranks
 
 
+@pytest.mark.slow
 def test_a_raising_rank_fails_the_call_with_its_traceback_and_the_pool_is_replaced() -> None:
     before = run_ranks(pid, 2)
     start = time.monotonic()
@@ -31,6 +32,7 @@ def test_a_raising_rank_fails_the_call_with_its_traceback_and_the_pool_is_replac
     assert set(after).isdisjoint(before), "the failed pool was reused"
 
 
+@pytest.mark.slow
 def test_a_hang_is_killed_at_the_deadline() -> None:
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank 0 timed out after 2 s \(hang\?\)"):
@@ -39,6 +41,7 @@ def test_a_hang_is_killed_at_the_deadline() -> None:
     assert run_ranks(pid, 2)  # a new pool
 
 
+@pytest.mark.slow
 def test_a_dying_rank_fails_the_call() -> None:
     with pytest.raises(RankError, match=r"rank 1 died without a result \(exit code 3\)"):
         run_ranks(exit_on_rank_1, 2, timeout=60)

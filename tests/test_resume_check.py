@@ -1,11 +1,19 @@
 """The resume check on examples/train.py's model (TinyLM, the demo corpus, FSDP2, Muon + AdamW, a
 LambdaLR schedule): a plain loop resumes bitwise at 2 -> 2 and not at 2 -> 1, where the report names
-the gradient sum order; the micro-batch recipe makes 2 -> 1 bitwise too."""
+the gradient sum order; the micro-batch recipe makes 2 -> 1 bitwise too.
+
+The checks run on the session's pooled ranks (tests/ranks.py) and share their runs: each loop's
+uninterrupted run and its save at SAVE_AT run once (``_SharedRuns``), every resume runs on its own.
+The tool's own launches (fresh processes, ``tools.testing.run_ranks``) run end to end in
+test_resume_check_loops; that launcher is also tested by test_rank_failure, test_raising_rank and the
+demo (test_demo)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +21,16 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.demo.data import batch, corpus, tokens
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import shard_model
+from muon_dtensor.tools import resume_check, testing
 from muon_dtensor.tools.resume_check import _compare, loss_scale, micro_batches_for, run_resume_check
+from tests import ranks
 
 CFG = ModelConfig(vocab=64, dim=32, layers=1, heads=2, seq=16)
 BATCH, N_MICRO = 8, 2  # sequences per step; the recipe's micro-batches: one per rank at 2 ranks
@@ -44,7 +55,7 @@ def build(rank: int, world: int) -> tuple[nn.Module, Muon, LambdaLR]:
     return model, opt, LambdaLR(opt, _factor)
 
 
-def plain_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: int, world: int) -> None:
+def plain_step(model: nn.Module, opt: Optimizer, sched: LambdaLR, step: int, rank: int, world: int) -> None:
     """examples/train.py's step: this rank's slice of the batch, one mean loss."""
     share = BATCH // world
     model.loss(batch(_data(), step, BATCH, CFG.seq)[rank * share : (rank + 1) * share]).backward()  # type: ignore[operator]
@@ -53,7 +64,7 @@ def plain_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: in
     sched.step()
 
 
-def recipe_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: int, world: int) -> None:
+def recipe_step(model: nn.Module, opt: Optimizer, sched: LambdaLR, step: int, rank: int, world: int) -> None:
     """The micro-batch recipe: the same N_MICRO micro-batches on any world size, each scaled."""
     micros = batch(_data(), step, BATCH, CFG.seq).split(BATCH // N_MICRO)
     for i in micro_batches_for(rank, world, N_MICRO):
@@ -63,7 +74,43 @@ def recipe_step(model: nn.Module, opt: Muon, sched: LambdaLR, step: int, rank: i
     sched.step()
 
 
-def test_plain_loop_resumes_bitwise_on_the_same_world_size(tmp_path: Path) -> None:
+class _SharedRuns:
+    """``resume_check``'s launcher here: the pooled ranks; an uninterrupted run (no load, no save)
+    and a save run (no load) with the same functions, world size and steps run once, a save's
+    checkpoint copied to each caller's folder. Resumed runs (a load) always run."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.done: dict[tuple, tuple[list[Any], str | None]] = {}
+
+    def __call__(self, fn: Any, world: int, *args: Any, timeout: float) -> list[Any]:
+        assert fn is resume_check._rank_run, fn
+        build_fn, step_fn, load_from, save_to, save_at, last = args
+        if load_from is not None:
+            return ranks.run_ranks(fn, world, *args, timeout=timeout)
+        key = (world, build_fn, step_fn, save_at, last, save_to is not None)
+        if key not in self.done:
+            saved = str(self.folder / f"save{len(self.done)}") if save_to is not None else None
+            values = ranks.run_ranks(
+                fn, world, build_fn, step_fn, None, saved, save_at, last, timeout=timeout
+            )
+            self.done[key] = (values, saved)
+        values, saved = self.done[key]
+        if saved is not None:
+            shutil.copytree(saved, save_to, dirs_exist_ok=True)
+        return values
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_SharedRuns]:
+    assert resume_check.run_ranks is testing.run_ranks  # what the tool launches when not patched
+    runs = _SharedRuns(tmp_path_factory.mktemp("resume_check_saves"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(resume_check, "run_ranks", runs)
+        yield runs
+
+
+def test_plain_loop_resumes_bitwise_on_the_same_world_size(tmp_path: Path, shared_runs: _SharedRuns) -> None:
     report = tmp_path / "report.json"
     out = run_resume_check(build, plain_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 2), report=report)
     assert out["bitwise"] and out["passed"] and out["cause"] is None, out
@@ -72,7 +119,7 @@ def test_plain_loop_resumes_bitwise_on_the_same_world_size(tmp_path: Path) -> No
     assert sorted(out["per_step"]) == [str(s) for s in range(SAVE_AT, STEPS + 1)]
 
 
-def test_plain_loop_on_fewer_ranks_is_not_bitwise_and_names_the_gradient(tmp_path: Path) -> None:
+def test_plain_loop_on_fewer_ranks_is_not_bitwise_and_names_the_gradient(shared_runs: _SharedRuns) -> None:
     out = run_resume_check(build, plain_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 1))
     assert not out["bitwise"] and not out["passed"], out
     assert out["first_resumed_grads"]["max_diff"] > 0
@@ -81,7 +128,7 @@ def test_plain_loop_on_fewer_ranks_is_not_bitwise_and_names_the_gradient(tmp_pat
     assert "gradient sum order differs" in out["cause"] and "2 -> 1" in out["cause"]
 
 
-def test_micro_batch_recipe_resumes_bitwise_on_fewer_ranks(tmp_path: Path) -> None:
+def test_micro_batch_recipe_resumes_bitwise_on_fewer_ranks(shared_runs: _SharedRuns) -> None:
     out = run_resume_check(build, recipe_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 1))
     assert out["bitwise"] and out["passed"], out
 

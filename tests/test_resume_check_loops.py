@@ -63,6 +63,7 @@ def _bitwise(done: subprocess.CompletedProcess[str]) -> None:
     assert json.loads(done.stdout.splitlines()[-1]) == {"bitwise": True, "passed": True, "cause": None}
 
 
+@pytest.mark.slow
 def test_a_loop_in_a_module_next_to_the_script(tmp_path: Path) -> None:
     """Before: ``ModuleNotFoundError: No module named 'myloop'`` in every rank."""
     (tmp_path / "myloop.py").write_text(LOOP)
@@ -71,6 +72,7 @@ def test_a_loop_in_a_module_next_to_the_script(tmp_path: Path) -> None:
     _bitwise(_run(script, tmp_path / "elsewhere"))
 
 
+@pytest.mark.slow
 def test_a_loop_in_the_script_itself(tmp_path: Path) -> None:
     """Before: ``AttributeError: Can't get attribute 'build' on <module ...>`` in every rank."""
     script = tmp_path / "train.py"
@@ -78,6 +80,7 @@ def test_a_loop_in_the_script_itself(tmp_path: Path) -> None:
     _bitwise(_run(script, tmp_path / "elsewhere"))
 
 
+@pytest.mark.slow
 def test_a_script_that_would_start_the_check_in_every_rank_is_refused(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(LOOP + CHECK.replace('if __name__ == "__main__":\n', "").replace("\n    ", "\n"))
@@ -92,6 +95,7 @@ def test_a_script_that_would_start_the_check_in_every_rank_is_refused(tmp_path: 
     )
 
 
+@pytest.mark.slow
 def test_a_loop_with_no_file_is_refused(tmp_path: Path) -> None:
     code = LOOP + "\nfrom muon_dtensor.tools.resume_check import run_resume_check\n"
     code += "run_resume_check(build, train_step, steps=3, save_at=2, world_sizes=(1, 1))\n"

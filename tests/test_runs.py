@@ -60,7 +60,7 @@ def _layouts(n: int) -> list[list[MatrixEntry]]:
 def _stacks(route: Inbound, shapes: dict[int, tuple[int, int]], together: bool = True) -> dict[int, Tensor]:
     """Full matrices of the route's stacks, each stack one tensor (``together``) as the exchange
     assembles them, else separate (and every other one strided), as unbatched results are."""
-    out = {}
+    out: dict[int, Tensor] = {}
     for shape, members in route.stacks:
         if together:
             out |= dict(zip(members, torch.zeros((len(members), *shape)).unbind(0)))

@@ -33,7 +33,7 @@ def _opt() -> tuple[Muon, list[nn.Parameter]]:
     ]
     adamw = nn.Parameter(distribute_tensor(torch.randn(6, generator=gen), mesh, [Shard(0)]))
     local = nn.Parameter(torch.randn(3, generator=gen))  # plain AdamW: stepped locally
-    groups = [
+    groups: list[dict[str, Any]] = [
         {"params": muon},
         {"params": [adamw], "algorithm": "adamw"},
         {"params": [local], "algorithm": "adamw"},

@@ -177,10 +177,11 @@ def experts(dim: int, steps: int = 2) -> dict[str, Any]:
 def conv_and_fused(steps: int = 2) -> dict[str, bool]:
     """A conv weight (flatten) and a fused q/k/v weight (split_sizes), FSDP-sharded on dim 0."""
     out = {}
-    for key, shapes, options in [
+    cases: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
         ("conv", [(10, 3, 3, 3), (6, 10, 1, 1)], {"flatten": True}),
         ("fused", [(8 + 4 + 4 + 1, 16)], {"split_sizes": [8, 4, 4, 1]}),
-    ]:
+    ]
+    for key, shapes, options in cases:
         ref, _ = reference(shapes, steps, options)
         fulls, grads = _data(shapes, steps)
         params = _params(fulls, [Shard(0)])

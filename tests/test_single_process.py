@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Any, cast
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_tracks_torch_optim_muon_over_10_steps(adjust_lr_fn: str | None, nestero
     agrees to float32 rounding. The difference comes from our single-rounding elementwise ops (see
     muon_dtensor/update.py) flipping the last bit of a float32 value before the bfloat16 cast."""
     ours, theirs = _pair([(32, 48), (64, 16), (40, 40)])
-    kwargs = dict(lr=LR, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    kwargs: dict[str, Any] = dict(lr=LR, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     a, b = Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
     gen = torch.Generator().manual_seed(1)
     for _ in range(10):
@@ -102,7 +103,7 @@ def test_raises_what_torch_optim_muon_raises() -> None:
         ({"mode": "nope"}, "mode should be 'owner' or 'gather'"),
     ],
 )
-def test_bad_hyperparameters(kwargs: dict[str, object], message: str) -> None:
+def test_bad_hyperparameters(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         Muon([nn.Parameter(torch.randn(4, 4))], **kwargs)
 
@@ -128,7 +129,8 @@ def test_hyperparameters_changed_after_init_are_checked_at_step() -> None:
 
 def test_state_is_created_eagerly_and_skipped_params_stay_untouched() -> None:
     a, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5))
-    opt = Muon([{"params": [a]}, {"params": [b], "algorithm": "adamw"}])
+    groups: list[dict[str, Any]] = [{"params": [a]}, {"params": [b], "algorithm": "adamw"}]
+    opt = Muon(groups)
     assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
     assert set(opt.state_dict()["state"][1]) == {"step", "exp_avg", "exp_avg_sq"}
     before = a.detach().clone()
@@ -157,13 +159,13 @@ def test_closure_scheduler_zero_grad_and_frozen_params() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
 
-    def closure() -> torch.Tensor:
+    def closure() -> Any:  # the loss tensor (torch types a closure's loss as a float)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         return loss
 
-    losses = [float(opt.step(closure).detach()) for _ in range(5)]
+    losses = [float(cast(torch.Tensor, opt.step(closure)).detach()) for _ in range(5)]
     for _ in range(5):
         sched.step()
     assert losses[-1] < losses[0]

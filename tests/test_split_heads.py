@@ -113,6 +113,7 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
         split_params(Llamaish(), **kwargs)
 
 
+@pytest.mark.integration
 def test_a_transposed_conv1d_is_refused() -> None:
     """GPT-2's ``c_attn`` is a ``Conv1D`` with weight ``[in, out]``: its heads are columns."""
     pytorch_utils = pytest.importorskip("transformers.pytorch_utils")

@@ -124,6 +124,7 @@ def test_split_traffic_spreads_a_matrix_over_its_ranks() -> None:
     assert sum(into.send_intra) == sum(back.send_intra) == 7168.0
 
 
+@pytest.mark.slow
 def test_default_prediction_is_unchanged_and_split_never_slower() -> None:
     for n in (8, 64, 256, 1024):
         base = predict(LLAMA3_8B, n)
@@ -137,7 +138,25 @@ def test_default_prediction_is_unchanged_and_split_never_slower() -> None:
     assert steps[-1].host < steps[-1].total
 
 
+@pytest.mark.slow
 def test_split_shortens_the_70b_step_at_1024() -> None:
+    """Also the planning CLI's figure (``--ns-split``, test_planning_cli): under 0.6 of the step."""
     base, split = predict(LLAMA3_70B, 1024), predict(LLAMA3_70B, 1024, split=True)
-    assert split.total < 0.7 * base.total and split.newton_schulz < base.newton_schulz
+    assert split.total < 0.6 * base.total and split.newton_schulz < base.newton_schulz
     assert split.imbalance < base.imbalance and split.comm < base.comm
+
+
+def test_plans_are_cached_and_equal_the_search() -> None:
+    """``plan_splits`` runs its search once per setting (the tests, ``predict(split=True)`` and the
+    optimizer's ``ns_split="auto"`` ask again): a repeat is the same frozen plan, equal to a fresh
+    search; other arguments are other entries."""
+    from muon_dtensor.planning.split import _plan_splits
+
+    shapes = [(512, 4096)] * 2 + [(64, 64)] * 3
+    hw = Hardware.h200(matmul_flops=1e9)
+    first = plan_splits(shapes, 8, hw)
+    assert plan_splits([list(s) for s in shapes], 8, hw) is first  # type: ignore[misc]
+    assert _plan_splits(tuple(shapes), 8, hw, 5, 2, "standard", None, 2) == first
+    assert (
+        plan_splits(shapes, 8, hw, max_k=1) != first and plan_splits(shapes, 8, hw, max_k=1).split_count == 0
+    )

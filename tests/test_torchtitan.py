@@ -186,6 +186,7 @@ def check_resumed(r: dict[str, Any], where: str) -> None:
 
 @needs_titan
 @pytest.mark.parametrize("variant", ["muon", "muon+torch_adamw"])
+@pytest.mark.integration
 def test_titan_container_checkpoint_round_trip(tmp_path: Path, variant: str) -> None:
     results = run_ranks(save_and_resume, 2, str(tmp_path), variant, timeout=180)
     for rank, r in enumerate(results):
@@ -244,6 +245,7 @@ def test_flags_that_would_change_the_step_are_refused(key: str) -> None:
 
 
 @needs_titan
+@pytest.mark.integration
 def test_cli_parsing_keeps_the_muon_container() -> None:
     """torchtitan's ConfigManager parses the CLI with ``tyro.cli(type(config), default=config)``;
     the Muon container's config must survive it, or the trainer would build plain AdamW."""

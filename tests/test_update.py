@@ -99,6 +99,6 @@ def test_mixed_dtype_lists_cast_each_tensor_to_its_own_dtype() -> None:
     grads = [g.to(d) for g, d in zip(_tensors(torch.float32, 6), dtypes)]
     bufs = [b.to(d) for b, d in zip(_tensors(torch.float32, 7), dtypes)]
     ref = [b.clone() for b in bufs]
-    got = [torch.empty(b.shape, dtype=torch.bfloat16) for b in bufs]
-    muon_momentum(bufs, grads, got, 0.95, True)
-    assert all(torch.equal(a, _reference_momentum(b, g, True)) for a, b, g in zip(got, ref, grads))
+    nesterov = [torch.empty(b.shape, dtype=torch.bfloat16) for b in bufs]
+    muon_momentum(bufs, grads, nesterov, 0.95, True)
+    assert all(torch.equal(a, _reference_momentum(b, g, True)) for a, b, g in zip(nesterov, ref, grads))

@@ -35,15 +35,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import cast
 
 import torch
 
 from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
-from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
 from .hardware import Hardware, fit_latency_bandwidth
 from .host_ops import StepShape, step_ops
-from .links import back_links, pipeline_seconds, to_owner_links
+from .links import back_links, block_numels, pipeline_seconds, to_owner_links
 from .plans import hsdp_plan, sharded_plan
 from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
 from .split import split_exchange_seconds
@@ -206,7 +207,8 @@ def _phases(
     compute = [_round_compute(plan, rnd, hw, impl, config) for rnd in plan.rounds]
     sent = [sum(c[2][r] for c in comm) for r in range(n)]
     preflight = hw.collective_latency if n > 1 else 0.0
-    local = max(sum(block_numel(e.blocks[r]) for e in plan.entries) for r in range(n))
+    numels = [block_numels(e.blocks) for e in plan.entries]
+    local = max(sum(x[r] for x in numels) for r in range(n))
     # blocks packed for the all-to-all to the owners: for the other ranks of this rank's replica
     replicas = max((_replicas(e) for e in plan.entries), default=1)
     shards = n // replicas
@@ -295,8 +297,34 @@ def predict(
     (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
     ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two). ``split``: run the
     largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``; the
-    optimizer's ``ns_split="auto"``)."""
+    optimizer's ``ns_split="auto"``). Equal arguments give the same (frozen) prediction, computed
+    once: the arithmetic is pure and a 1,024-rank prediction takes seconds."""
     hw = hw or Hardware.h200()
+    shape_key = cast("tuple[Shape, ...]", tuple(tuple(s) for s in shapes))
+    if replicas == 1 and mode != "redundant":
+        owners = "replica"  # one replica group: every owner choice is the replica's (one cache entry)
+    key = (shape_key, world_size, hw, mode, impl, ns_steps, itemsize, ns_algorithm, replicas, owners, split)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument: no cache, the same arithmetic
+        return _predict(*key)
+    return _predict_cached(*key)
+
+
+def _predict(
+    shapes: tuple[Shape, ...],
+    world_size: int,
+    hw: Hardware,
+    mode: str,
+    impl: Implementation,
+    ns_steps: int,
+    itemsize: int,
+    ns_algorithm: str,
+    replicas: int,
+    owners: str,
+    split: bool,
+) -> Prediction:
+    """``predict`` with every argument given (``hw`` too)."""
     if mode == "redundant":
         config = _ns_config(ns_steps, itemsize, ns_algorithm)
         ns = sum(orthogonalize_flops(s, config) for s in shapes) / hw.matmul_flops
@@ -318,6 +346,11 @@ def predict(
     if split and mode == "owner" and plan.group_size > 1:
         total, p = _with_splits(plan, p, hw, nodes, ns_steps, itemsize, ns_algorithm)
     return _prediction(mode, world_size, total, p, plan, replicas, "mesh" if across else "replica")
+
+
+# Pure arithmetic on hashable arguments: the planning CLI, the docs and the tests ask for the same few
+# predictions again. Predictions are frozen dataclasses, safe to share.
+_predict_cached = lru_cache(maxsize=256)(_predict)
 
 
 def _prediction(

@@ -6,11 +6,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..sharding.plan.blocks import block_numel
+from ..sharding.plan.blocks import Block, block_numel
 from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
 from .hardware import Hardware
 
-__all__ = ["Links", "back_links", "pipeline_seconds", "to_owner_links"]
+__all__ = ["Links", "back_links", "block_numels", "pipeline_seconds", "to_owner_links"]
+
+# block_numels' memo: id of a blocks tuple -> (the tuple, kept alive so the id stays its own; numels)
+_NUMELS: dict[int, tuple[tuple[Block, ...], tuple[int, ...]]] = {}
+_NUMELS_MAX = 4096
+
+
+def block_numels(blocks: Sequence[Block]) -> tuple[int, ...]:
+    """``block_numel`` of each rank's block. A tuple's are counted once: the plans of equal shapes
+    share one blocks tuple (``plans.sharded_plan``), and a 1,024-rank prediction reads every
+    matrix's sizes several times (its phases, both exchanges, the splits)."""
+    if not isinstance(blocks, tuple):
+        return tuple(block_numel(b) for b in blocks)
+    hit = _NUMELS.get(id(blocks))
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    numels = tuple(block_numel(b) for b in blocks)
+    if len(_NUMELS) >= _NUMELS_MAX:
+        _NUMELS.clear()
+    _NUMELS[id(blocks)] = (blocks, numels)
+    return numels
 
 
 @dataclass
@@ -79,7 +99,7 @@ def to_owner_links(
         entry = plan.entries[member]
         if entry.replicated:
             continue
-        size = [block_numel(b) * itemsize for b in entry.blocks]
+        size = [numel * itemsize for numel in block_numels(entry.blocks)]
         if owner == EVERYONE:
             _gather(links, entry, size, nodes)
             continue
@@ -97,9 +117,9 @@ def back_links(
     for member, owner in zip(members, owners, strict=True):
         if owner == EVERYONE:
             continue
-        for r, block in enumerate(plan.entries[member].blocks):
+        for r, numel in enumerate(block_numels(plan.entries[member].blocks)):
             if r != owner:
-                links.add(owner, r, block_numel(block) * itemsize, nodes)
+                links.add(owner, r, numel * itemsize, nodes)
     return links
 
 

@@ -30,15 +30,15 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from ..numerics.split_ns import split_flops
-from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import Plan
 from .hardware import Hardware
-from .links import Links, pipeline_seconds
+from .links import Links, block_numels, pipeline_seconds
 
 __all__ = [
     "SplitPlan",
@@ -160,13 +160,33 @@ def plan_splits(
     packs: int = 2,
 ) -> SplitPlan:
     """Split decisions and balanced loads for ``shapes`` on ``world_size`` owner ranks (module
-    docstring). ``packs``: copies per element on an owner (assemble + 1 per replica sent back)."""
+    docstring). ``packs``: copies per element on an owner (assemble + 1 per replica sent back).
+    Equal arguments give the same (frozen) plan, computed once: the search re-balances the whole
+    plan many times, seconds at 1,024 ranks."""
     if world_size < 1:
         raise ValueError(f"plan_splits: world_size must be >= 1 but is {world_size}")
-    hw = hw or Hardware.h200()
+    keys = tuple((int(s[0]), int(s[1])) for s in shapes)
+    args = (keys, world_size, hw or Hardware.h200(), ns_steps, itemsize, ns_algorithm, max_k, packs)
+    try:
+        hash(args)
+    except TypeError:  # an unhashable argument: no cache, the same arithmetic
+        return _plan_splits(*args)
+    return _plan_splits_cached(*args)
+
+
+def _plan_splits(
+    keys: tuple[Shape, ...],
+    world_size: int,
+    hw: Hardware,
+    ns_steps: int,
+    itemsize: int,
+    ns_algorithm: str,
+    max_k: int | None,
+    packs: int,
+) -> SplitPlan:
+    """``plan_splits`` with every argument given, shapes as int pairs."""
     dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     config = NSConfig((DEFAULT_COEFFICIENTS,) * ns_steps, dtype=dtype, algorithm=ns_algorithm)
-    keys: list[Shape] = [(int(s[0]), int(s[1])) for s in shapes]
     distinct = sorted(set(keys))
     whole = {s: _whole_seconds(s, hw, config, itemsize, packs) for s in distinct}
     options = {
@@ -182,6 +202,9 @@ def plan_splits(
     plans = [_plan(keys, world_size, chosen, whole, options) for chosen in tries]
     best = min(range(len(plans)), key=lambda i: plans[i].makespan)  # unsplit on a tie
     return _refine(keys, world_size, tries[best], plans[best], whole, options)
+
+
+_plan_splits_cached = lru_cache(maxsize=256)(_plan_splits)
 
 
 def _uniform(
@@ -264,8 +287,8 @@ def split_links(
     for i in members:
         entry, group = plan.entries[i], splits.ranks[i]
         share = 1.0 / len(group)
-        for r, block in enumerate(entry.blocks):
-            nbytes = block_numel(block) * itemsize * share
+        for r, numel in enumerate(block_numels(entry.blocks)):
+            nbytes = numel * itemsize * share
             for g in group:
                 if g == r:
                     continue
