@@ -58,13 +58,16 @@ def test_bf16_momentum_saves_reshards_and_resumes_bitwise(tmp_path: Path) -> Non
                 assert torch.equal(r["final"][key], value), f"world {world} rank {rank}: {key} differs"
 
 
-def test_load_into_another_dtype_converts_and_warns_on_every_rank(tmp_path: Path) -> None:
+def test_load_into_another_dtype_converts_on_every_rank_and_warns_once(tmp_path: Path) -> None:
     root = str(tmp_path / "fp32")
     saved = run_ranks(save_after, 2, root, None, timeout=TIMEOUT)[0]["state"]
     for rank, r in enumerate(run_ranks(resume, 2, root, "bfloat16", timeout=TIMEOUT)):
-        (message,) = r["warnings"]
-        assert "'layers.0.weight' float32 -> bfloat16" in message, (rank, message)
-        assert "momentum_dtype=torch.float32" in message
+        if rank:  # every rank converts alike: the job prints the warning once, on rank 0
+            assert r["warnings"] == [], r["warnings"]
+        else:
+            (message,) = r["warnings"]
+            assert "'layers.0.weight' float32 -> bfloat16" in message, (rank, message)
+            assert "momentum_dtype=torch.float32" in message
         assert r["group_dtype"] == "bfloat16"
         for key, value in r["loaded"].items():
             if key.startswith("momentum_buffer:"):
