@@ -26,6 +26,7 @@ from muon_dtensor.checks.validation import check_muon_group, resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
+    PRESET_STEPS,
     NSConfig,
     gram_segments,
     newton_schulz,
@@ -37,6 +38,7 @@ from muon_dtensor.numerics.newton_schulz import (
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
 from tests.models import full, stepped
 from tests.ranks import run_ranks
+from tests.test_ns_presets import BF16_DRIFTS
 
 # The module, not the function that ``muon_dtensor`` exports under the same name.
 NS_MODULE = importlib.import_module("muon_dtensor.numerics.newton_schulz")
@@ -92,12 +94,16 @@ def test_gram_is_the_standard_polynomial_in_float64(
 
 @pytest.mark.parametrize("preset", sorted(PRESET_BANDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gram_singular_values_stay_in_the_preset_band(preset: str, dtype: torch.dtype) -> None:
+def test_gram_singular_values_stay_in_the_preset_band(
+    preset: str, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
     """Against a float64 SVD of the input mapped by the polynomial, on Llama-like aspect ratios
     (2.7:1, 16:1) and ill-conditioned inputs (where a Gram form without restarts leaves the band):
     as close to the polynomial as the standard iteration (its bfloat16 tolerance, 0.06, more), and
     the converged singular values in the preset's band."""
-    config = _gram(preset, dtype)
+    if dtype == torch.bfloat16 and preset in BF16_DRIFTS:
+        request.applymarker(pytest.mark.xfail(reason=BF16_DRIFTS[preset], strict=True))  # the finding, held
+    config = _gram(preset, dtype, PRESET_STEPS[preset])
     standard = dataclasses.replace(config, algorithm="standard")
     lo, hi = PRESET_BANDS[preset]
     tol, slack = (0.06, 0.02) if dtype == torch.bfloat16 else (2e-3, 2e-3)
@@ -113,7 +119,8 @@ def test_gram_singular_values_stay_in_the_preset_band(preset: str, dtype: torch.
             converged = int((s_in >= BAND_INPUT_FLOOR).sum())
             in_band = int(((s_out >= lo - slack) & (s_out <= hi + slack)).sum())
             assert in_band >= converged > 0, (preset, shape, name, in_band, converged)
-            assert s_out.max() <= min(1.21, s_std.max() + slack), (preset, shape, name)
+            peak = max(1.21, hi + slack)  # cubic5's band itself reaches 1.3
+            assert s_out.max() <= min(peak, s_std.max() + slack), (preset, shape, name)
 
 
 def test_without_restarts_bfloat16_leaves_the_band(monkeypatch: pytest.MonkeyPatch) -> None:

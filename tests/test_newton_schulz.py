@@ -11,12 +11,14 @@ from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
     BATCH_ENV,
     PRESET_BANDS,
+    PRESET_STEPS,
     _batch,
     newton_schulz,
     orthogonalize,
     scalar_map,
     stacked,
 )
+from tests.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
 
 
 def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:
@@ -42,12 +44,16 @@ def _inputs() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("preset", sorted(PRESET_BANDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_singular_values_follow_the_polynomial_and_stay_in_band(preset: str, dtype: torch.dtype) -> None:
-    config = resolve_ns_config(preset, 5, 1e-7, dtype)
+def test_singular_values_follow_the_polynomial_and_stay_in_band(
+    preset: str, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
+    if dtype == torch.bfloat16 and preset in BF16_DRIFTS:
+        request.applymarker(pytest.mark.xfail(reason=BF16_DRIFTS[preset], strict=True))  # the finding, held
+    config = resolve_ns_config(preset, PRESET_STEPS[preset], 1e-7, dtype)
     lo, hi = PRESET_BANDS[preset]
     # bfloat16 keeps 8 significant bits: 2^-8 relative per product, a few products per step, and
     # small unconverged singular values sit where the polynomial is steep (slope up to a^5).
-    tol = 0.06 if dtype == torch.bfloat16 else 2e-3
+    tol = BF16_TRACKING.get(preset, 0.06) if dtype == torch.bfloat16 else 2e-3
     slack = 0.02 if dtype == torch.bfloat16 else 2e-3
     for x in _inputs():
         s_in = torch.linalg.svdvals(x) / torch.linalg.matrix_norm(x)
@@ -59,7 +65,8 @@ def test_singular_values_follow_the_polynomial_and_stay_in_band(preset: str, dty
         # Measured: at least as many output singular values in the band as converged inputs.
         in_band = ((s_out >= lo - slack) & (s_out <= hi + slack)).sum()
         assert in_band >= len(converged) > 0
-        assert s_out.max() <= 1.21  # the global peak of Keller's polynomial is 1.2024
+        # The global peak of Keller's polynomial is 1.2024; cubic5's band itself reaches 1.3.
+        assert s_out.max() <= max(1.21, hi + slack)
 
 
 def test_keller_matches_torch_optim_muon_bitwise() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess per test
+from muon_dtensor.__main__ import main as package_main
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
     "hidden_size": 64,
@@ -35,6 +36,7 @@ def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a subprocess
 def test_check_help_lists_its_options() -> None:
     done = _plan("--check", "--help")
     assert done.returncode == 0, done.stderr
@@ -52,6 +54,7 @@ def test_check_help_lists_its_options() -> None:
     assert "expected one argument" not in done.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_plan_help_lists_check_and_its_options() -> None:
     done = _plan("--help")
     assert done.returncode == 0, done.stderr
@@ -90,15 +93,19 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_refused_before_any_work(tmp_path: Path, case: str) -> None:
+def test_refused_before_any_work(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process, through the command's own entry point (the subprocess tests above and below
+    run the user's form verbatim; a subprocess per refusal cost about 2.5 s each)."""
     text, extra, message = CASES[case]
     start = time.monotonic()
-    done = _plan("--check", _config(tmp_path, text), *(extra or ["--gpus", "8"]))
-    assert (done.returncode, done.stdout) == (2, ""), done.stderr
-    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    code = package_main(["plan", "--check", _config(tmp_path, text), *(extra or ["--gpus", "8"])])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, ""), err
+    assert message in err and "Traceback" not in err, err
     assert time.monotonic() - start < REFUSE_S
 
 
+@pytest.mark.slow  # a subprocess
 def test_report_reads_like_a_check(tmp_path: Path) -> None:
     """Bytes in units that fit a small model, the config's head_dim, and ns_split="auto" suggested for a
     layer of large matrices on 16 GPUs, where the owners are unbalanced and splitting pays."""

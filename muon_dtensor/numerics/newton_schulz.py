@@ -27,6 +27,7 @@ __all__ = [
     "GRAM_DRIFT_LIMIT",
     "PRESETS",
     "PRESET_BANDS",
+    "PRESET_STEPS",
     "NSConfig",
     "batching",
     "gram_segments",
@@ -65,6 +66,38 @@ _POLAR_EXPRESS: tuple[Triple, ...] = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
+# The three below are copied from NVIDIA-NeMo/Emerging-Optimizers (EO),
+# https://github.com/NVIDIA-NeMo/Emerging-Optimizers/blob/fd7729267109a8848709e9406bf19e53e970c3f4/emerging_optimizers/orthogonalized_optimizers/muon_utils.py
+# ("muon_utils.py@fd77292" below), whose newton_schulz runs them as given after dividing by the
+# Frobenius norm (no norm scale); tests/test_ns_presets.py runs that code's iteration against ours.
+
+# DeepSeek-V4's hybrid (https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf,
+# Algorithm 1, as quoted in microsoft/dion issue #66 and PR #67): 8 steps of Keller's quintic to
+# converge, then 2 of (2, -1.5, 0.5), whose fixed point 1 has slope 0. muon_utils.py@fd77292 L75-77
+# (added by EO PR #167, commit dd79ab1).
+_DEEPSEEK_V4: tuple[Triple, ...] = (DEFAULT_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2
+
+# CANS, Chebyshev-accelerated Newton-Schulz (Grishina, Smirnov, Rakhuba, arXiv 2506.10935; Remez with
+# an adaptive interval): muon_utils.py@fd77292 L58-67 (added by EO PR #140, commit 67c47ac).
+_CANS: tuple[Triple, ...] = (
+    (8.4703, -25.1081, 18.6293),
+    (4.1828, -3.1087, 0.5806),
+    (3.9619, -2.9541, 0.5630),
+    (3.2866, -2.4647, 0.5074),
+    (2.2737, -1.6447, 0.4162),
+)
+
+# Cubic5, a relaxed cubic schedule (arXiv 2606.00371; optimized for a relaxed singular-value band,
+# here [0.774, 1.3], with a bf16 lower bound of 7e-3): muon_utils.py@fd77292 L78-89 (added by EO PR
+# #217, commit a4c2c26). c = 0: the A A product is skipped, as EO does (``_small_poly``).
+_CUBIC5: tuple[Triple, ...] = (
+    (3.3656576, -3.3420992, 0.0),
+    (2.5744352, -1.4957376, 0.0),
+    (2.5368962, -1.4312570, 0.0),
+    (2.4418906, -1.2764040, 0.0),
+    (2.2230472, -0.9630650, 0.0),
+)
+
 
 @dataclass(frozen=True)
 class NSConfig:
@@ -88,17 +121,28 @@ PRESETS: dict[str, tuple[tuple[Triple, ...], float]] = {
     "keller": ((DEFAULT_COEFFICIENTS,), 1.0),
     "you": (_YOU, 1.0),
     "polar_express": (_POLAR_EXPRESS, 1.02),
+    "deepseek_v4": (_DEEPSEEK_V4, 1.0),
+    "cans": (_CANS, 1.0),
+    "cubic5": (_CUBIC5, 1.0),
 }
 
+# The iterations a preset is made for, which its band assumes: its table's length, at least Muon's
+# default 5 (Keller's one triple repeats). ``resolve_ns_config`` runs ``ns_steps`` as given (fewer
+# stop early, more repeat the last triple, as EO's "repeat_last"): deepseek_v4 needs ns_steps=10.
+PRESET_STEPS: dict[str, int] = {name: max(5, len(triples)) for name, (triples, _) in PRESETS.items()}
 
-# Where each preset's output singular values land, for inputs whose singular values are at least
-# BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not converged after 5 steps). Computed
-# in float64 by ``scalar_map`` over [0.01, 1] (tests/test_newton_schulz.py checks them by SVD).
+# Where each preset's output singular values land after PRESET_STEPS iterations, for inputs whose
+# singular values are at least BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not
+# converged after 5 steps). Computed in float64 by ``scalar_map`` over [0.01, 1], rounded outward to
+# 3 decimals (tests/test_ns_presets.py recomputes them; tests/test_newton_schulz.py checks them by SVD).
 BAND_INPUT_FLOOR = 0.01
 PRESET_BANDS: dict[str, tuple[float, float]] = {
     "keller": (0.681, 1.135),
     "you": (0.977, 1.032),
     "polar_express": (0.858, 1.142),
+    "deepseek_v4": (0.999, 1.001),
+    "cans": (0.884, 1.120),
+    "cubic5": (0.774, 1.300),
 }
 
 # How ``ns_algorithm`` evaluates the iterations: "standard" is torch's; "gram" runs the same
@@ -178,8 +222,15 @@ def _standard_step(
     """One iteration, torch's calls: ``a X + (b A + c A A) X`` (from the right when tall)."""
     ((a, b, c),) = triples
     gram = mm(y.mT, y) if tall else mm(y, y.mT)
-    poly = addmm(gram, gram, gram, beta=b, alpha=c)
+    poly = _small_poly(gram, b, c, addmm)
     return addmm(y, y, poly, beta=a) if tall else addmm(y, poly, y, beta=a)
+
+
+def _small_poly(gram: Tensor, b: float, c: float, addmm: Callable[..., Tensor]) -> Tensor:
+    """``b A + c A A``; a cubic step (``c == 0``, cubic5) skips the product: ``b A`` is what
+    ``addmm`` gives there (the same bits), but torch 2.13's CPU ``baddbmm`` in bfloat16 with
+    ``alpha=0`` returns ``A`` unscaled (beta ignored), which made batched cubic5 diverge."""
+    return gram * b if c == 0.0 else addmm(gram, gram, gram, beta=b, alpha=c)
 
 
 def _gram_segment(
@@ -196,7 +247,7 @@ def _gram_segment(
     r = mm(y.mT, y) if tall else mm(y, y.mT)
     q = r
     for k, (a, b, c) in enumerate(triples):
-        z = addmm(r, r, r, beta=b, alpha=c)
+        z = _small_poly(r, b, c, addmm)
         if k == 0:
             q = z.clone()
             q.diagonal(dim1=-2, dim2=-1).add_(a)
