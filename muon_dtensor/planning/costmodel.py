@@ -45,6 +45,7 @@ from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round,
 from .hardware import Hardware, fit_latency_bandwidth
 from .host_ops import StepShape, step_ops
 from .links import back_links, block_numels, pipeline_seconds, to_owner_links
+from .memo import once
 from .plans import hsdp_plan, sharded_plan
 from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
 from .split import split_exchange_seconds
@@ -304,11 +305,7 @@ def predict(
     if replicas == 1 and mode != "redundant":
         owners = "replica"  # one replica group: every owner choice is the replica's (one cache entry)
     key = (shape_key, world_size, hw, mode, impl, ns_steps, itemsize, ns_algorithm, replicas, owners, split)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable argument: no cache, the same arithmetic
-        return _predict(*key)
-    return _predict_cached(*key)
+    return once(_predict_cached, _predict, key)
 
 
 def _predict(

@@ -39,6 +39,7 @@ from ..numerics.split_ns import split_flops
 from ..sharding.plan.build import Plan
 from .hardware import Hardware
 from .links import Links, block_numels, pipeline_seconds
+from .memo import once
 
 __all__ = [
     "SplitPlan",
@@ -167,11 +168,7 @@ def plan_splits(
         raise ValueError(f"plan_splits: world_size must be >= 1 but is {world_size}")
     keys = tuple((int(s[0]), int(s[1])) for s in shapes)
     args = (keys, world_size, hw or Hardware.h200(), ns_steps, itemsize, ns_algorithm, max_k, packs)
-    try:
-        hash(args)
-    except TypeError:  # an unhashable argument: no cache, the same arithmetic
-        return _plan_splits(*args)
-    return _plan_splits_cached(*args)
+    return once(_plan_splits_cached, _plan_splits, args)
 
 
 def _plan_splits(
