@@ -61,6 +61,7 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("qk_clip_all_", "layers (contents)", "two layers", "none"),
     ("qk_clip_all_", "layers (order)", "a, b", "b, a"),
     ("qk_clip_all_", "layers (container)", "dict", "list"),
+    ("qk_clip_all_", "layers (order, in a list)", "list: a, b", "list: b, a"),
     ("qk_clip_all_", "layers (type)", "DTensor", "plain tensor"),
     ("qk_clip_all_", "head_dim", 4, 2),
     ("qk_clip_all_", "threshold", 100.0, 50.0),
@@ -162,6 +163,8 @@ def _qk_clip_all(env: Env, arg: str, value: Any) -> None:
         layers = dict(reversed(list(layers.items())))
     elif value == "list":
         layers = list(layers.values())
+    elif isinstance(value, str) and value.startswith("list: "):
+        layers = list(layers.values())[:: 1 if value.endswith("a, b") else -1]
     kwargs: dict[str, Any] = {"head_dim": 4}
     if arg in ("head_dim", "threshold"):
         kwargs[arg] = value
@@ -258,6 +261,9 @@ def _check(results: list[list[tuple[str, str, bool, float]]]) -> None:
         kinds = {(kind, message) for kind, message, _, _ in seen}
         assert len(kinds) == 1, f"{case}: the ranks raised different errors: {seen}"
         assert seen[0][0] != "no error", f"{case}: no rank raised"
+        assert seen[0][0] in ("ValueError", "RuntimeError", "CheckpointError"), (
+            f"{case}: {seen[0]}"
+        )  # not a test bug
         assert all(same for _, _, same, _ in seen), f"{case}: a weight, state or file changed"
         assert max(s for _, _, _, s in seen) < BOUND_S, f"{case}: took {max(s for *_, s in seen):.1f} s"
 

@@ -112,7 +112,10 @@ def all_against_per_layer(layout: str, mesh_shape: tuple[int, ...]) -> dict[str,
     for n in (1, 3, 8):  # the number of layers changes nothing in the count
         models, logits = _build(layout, [LAYERS[i % len(LAYERS)] for i in range(n)], mesh)
         with counted() as calls:
-            qk_clip_all_([(m.q.weight, m.k.weight, v) for m, v in zip(models, logits)], head_dim=4)
+            qk_clip_all_(
+                {f"b{i}": (m.q.weight, m.k.weight, v) for i, (m, v) in enumerate(zip(models, logits))},
+                head_dim=4,
+            )
         out[f"calls_{n}"] = calls[0]
     return out
 
@@ -249,3 +252,21 @@ def test_llama_recorder_clips_every_layer_as_per_layer_calls() -> None:
         assert all(torch.equal(x, y) for x, y in zip(f, done[name]))
     for (n, a), (_, b) in zip(llama.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def same_shapes_in_a_list() -> list[str]:
+    """Two layers of the same shapes in a list: their order is all that tells them apart."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    models, logits = _build("fsdp", [LAYERS[0], LAYERS[0]], mesh)
+    layers = [(m.q.weight, m.k.weight, v) for m, v in zip(models, logits)]
+    if dist.get_rank() == 1:
+        layers.reverse()  # swapped on one rank: each layer would be clipped with the other's logits
+    return [_error(lambda: qk_clip_all_(layers, head_dim=4))]
+
+
+def test_a_list_of_same_shape_layers_is_refused_on_every_rank() -> None:
+    """Before: no error, one layer clipped with the other layer's logits. A list whose order cannot
+    be checked across ranks is refused on every rank, naming the dict form (whose names are compared)."""
+    first, second = run_ranks(same_shapes_in_a_list, 2, timeout=TIMEOUT)
+    assert first[0] == second[0] and "layers 0 and 1 of the list have the same shapes" in first[0], first
+    assert "pass a dict {name: (q_weight, k_weight, max_logits)}" in first[0]

@@ -163,7 +163,9 @@ def _describe(key: str, values: Mapping[int, Any]) -> str:
     ordered = [values[r] for r in sorted(values)]
     if all(v == ordered[0] for v in ordered):
         return ""
-    if all(isinstance(v, (frozenset, dict)) for v in ordered):
+    if all(isinstance(v, (frozenset, dict)) for v in ordered) and any(
+        set(v) != set(ordered[0]) for v in ordered
+    ):
         base = set(ordered[0])
         parts = [
             f"rank {r} {_listed('lacks', base - set(v))}{_listed(' has only', set(v) - base)}".rstrip()

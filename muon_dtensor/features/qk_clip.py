@@ -247,13 +247,13 @@ def _max(values: Tensor, scope: Scope, device_type: str) -> Tensor:
 # ----------------------------------------------------------------------------- the calls
 def _clip(
     fn: str, items: list[tuple[str, str, Any]], head_dim: Any, threshold: Any, alpha: Any,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None, unnamed: ValueError | None = None,
 ) -> list[QKClipFactors]:  # fmt: skip
     """Check locally, agree over ``group`` (the default group where None: every rank can name it),
     then one MAX all-reduce per axis of each mesh, in the agreed order, then scale."""
     layers, error = _prepare(fn, items, head_dim, threshold, alpha)
     together.raise_together(
-        error, group, fn, _arguments(layers, head_dim, threshold, alpha), "No weight changed"
+        error or unnamed, group, fn, _arguments(layers, head_dim, threshold, alpha), "No weight changed"
     )
     scopes: dict[Scope, list[int]] = {}
     for i, layer in enumerate(layers):
@@ -326,4 +326,26 @@ def qk_clip_all_(
         )
     named = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
     items = [(f"layer {name!r}: ", str(name), entry) for name, entry in named]
-    return _clip("qk_clip_all_", items, head_dim, threshold, alpha, process_group)
+    unnamed = None if isinstance(layers, Mapping) else _same_in_a_list(items)
+    return _clip("qk_clip_all_", items, head_dim, threshold, alpha, process_group, unnamed)
+
+
+def _same_in_a_list(items: list[tuple[str, str, Any]]) -> ValueError | None:
+    """Across ranks a list's layers are told apart by their order alone: two of the same shapes and
+    layout, swapped on one rank, would be clipped with each other's logits and no rank could tell.
+    With several ranks such a list is refused (its names, in a dict, are compared)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    seen: dict[str, str] = {}
+    for _, name, entry in items:
+        if isinstance(entry, (tuple, list)) and len(entry) == 3:
+            key = _text(entry[0]) + _text(entry[1])
+            if key in seen:
+                return ValueError(
+                    f"qk_clip_all_: layers {seen[key]} and {name} of the list have the same shapes and layout, "
+                    "so their order is all that tells them apart, which ranks cannot check against each "
+                    "other; pass a dict {name: (q_weight, k_weight, max_logits)}, whose names every rank "
+                    "compares (no weight changed)"
+                )
+            seen[key] = name
+    return None
