@@ -313,9 +313,9 @@ def qk_clip_all_(
     number of layers. Bit for bit ``qk_clip_`` layer by layer.
 
     ``layers``: ``(q_weight, k_weight, max_logits)`` per layer, keyed by name (errors name it) or in
-    a sequence; the same layers in the same order on every rank. Name them (a dict): ranks then
-    check the names too, while two same-shape layers of a sequence swapped on one rank carry nothing
-    another rank could tell apart. ``head_dim``,
+    a sequence; the same layers in the same order on every rank. With several ranks a sequence
+    holding two layers of the same shapes and layout is refused: name them (a dict), since ranks
+    compare names but cannot compare an order. ``head_dim``,
     ``threshold`` and ``alpha`` as for ``qk_clip_``, one for all layers. Returns each layer's
     ``QKClipFactors`` in order. Any error on any rank raises on every rank before a weight changes.
     """
