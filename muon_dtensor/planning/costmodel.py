@@ -298,8 +298,7 @@ def predict(
     (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
     ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two). ``split``: run the
     largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``; the
-    optimizer's ``ns_split="auto"``). Equal arguments give the same (frozen) prediction, computed
-    once: the arithmetic is pure and a 1,024-rank prediction takes seconds."""
+    optimizer's ``ns_split="auto"``). Computed once per equal arguments (``planning/memo.py``)."""
     hw = hw or Hardware.h200()
     shape_key = cast("tuple[Shape, ...]", tuple(tuple(s) for s in shapes))
     if replicas == 1 and mode != "redundant":
@@ -327,11 +326,8 @@ def _predict(
         ns = sum(orthogonalize_flops(s, config) for s in shapes) / hw.matmul_flops
         return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0, replicas, owners)
     if replicas > 1 and owners == "auto":
-        both = [
-            predict(shapes, world_size, hw, mode=mode, impl=impl, ns_steps=ns_steps, itemsize=itemsize,
-                    ns_algorithm=ns_algorithm, replicas=replicas, owners=o, split=split)
-            for o in ("mesh", "replica")
-        ]  # fmt: skip
+        args = (shapes, world_size, hw, mode, impl, ns_steps, itemsize, ns_algorithm, replicas)
+        both = [once(_predict_cached, _predict, (*args, o, split)) for o in ("mesh", "replica")]
         return min(both, key=lambda p: p.total)
     across = replicas > 1 and owners == "mesh" and mode == "owner"
     if across:
@@ -345,9 +341,7 @@ def _predict(
     return _prediction(mode, world_size, total, p, plan, replicas, "mesh" if across else "replica")
 
 
-# Pure arithmetic on hashable arguments: the planning CLI, the docs and the tests ask for the same few
-# predictions again. Predictions are frozen dataclasses, safe to share.
-_predict_cached = lru_cache(maxsize=256)(_predict)
+_predict_cached = lru_cache(maxsize=256)(_predict)  # frozen predictions, safe to share (planning/memo.py)
 
 
 def _prediction(
