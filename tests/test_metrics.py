@@ -92,15 +92,21 @@ def test_reduce_gives_every_rank_the_jobs_figures() -> None:
     assert job["muon/bytes_sent"] == sum(m["muon/bytes_sent"] for m, _, _ in results)
 
 
-def test_every_key_says_whether_it_is_this_ranks_or_the_jobs() -> None:
-    from muon_dtensor.optim.report import METRIC_SCOPES
-
+def _stepped() -> Muon:
+    """One process, one step on seeded gradients."""
     gen = torch.Generator().manual_seed(0)
     params = _params(gen)
     opt = Muon(params, lr=LR)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
+    return opt
+
+
+def test_every_key_says_whether_it_is_this_ranks_or_the_jobs() -> None:
+    from muon_dtensor.optim.report import METRIC_SCOPES
+
+    opt = _stepped()
     assert set(opt.metrics()) <= set(METRIC_SCOPES) and set(METRIC_SCOPES.values()) == {"rank", "job"}
 
 
@@ -109,12 +115,7 @@ def test_the_trainer_mixin_logs_the_jobs_figures_through_accelerates_wrapper() -
     ``LogMuonMetrics`` unwraps it and adds the figures to each training log."""
     from muon_dtensor.integrations.hf import LogMuonMetrics
 
-    gen = torch.Generator().manual_seed(0)
-    params = _params(gen)
-    opt = Muon(params, lr=LR)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
+    opt = _stepped()
     logged: list[dict[str, float]] = []
 
     class Wrapper:  # as accelerate's AcceleratedOptimizer holds the optimizer

@@ -15,16 +15,9 @@ from pathlib import Path
 import pytest
 
 from muon_dtensor.__main__ import main as package_main
+from tests.test_topology import SMALL  # the same small config
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-}
 REFUSE_S = 60  # a refusal is an import and a few checks: seconds, far from the minutes it replaces
 
 

@@ -61,9 +61,9 @@ def refuse_after_failure(call: str) -> None:
 def summed(
     row: Sequence[int], scopes: Sequence[DeviceMesh | dist.ProcessGroup]
 ) -> list[tuple[list[int], int]]:
-    """``row`` (integers) summed over each scope in turn, with the scope's rank count; refuses after
-    a failure first. Collective over every scope, in the order given."""
-    refuse_after_failure("this call")
+    """``row`` (integers) summed over each scope in turn, with the scope's rank count. Collective over
+    every scope, in the order given; its callers (``Muon.step``, ``raise_together``) refuse after a
+    failure first."""
     head = torch.tensor(list(row), dtype=torch.int64)
     return [(sums.tolist(), size) for sums, size in sum_over_scopes(head, scopes)]
 
