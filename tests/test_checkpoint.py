@@ -112,9 +112,9 @@ def test_corrupted_and_truncated_files_are_named(saved: Saved, tmp_path: Path) -
     [
         (
             "other_model",
-            r"Missing from the checkpoint: model\.0\.bias.*Unexpected in the checkpoint: .*model\.embed\.weight",
+            r"Missing from the checkpoint: 0\.bias.*Unexpected in the checkpoint: .*embed\.weight",
         ),
-        ("shape", r"shape mismatch: model\.layers\.3\.bias: saved \(24,\), expected \(25,\)"),
+        ("shape", r"shape mismatch: layers\.3\.bias: saved \(24,\), expected \(25,\)"),
         ("groups", r"Missing from the checkpoint: .*exp_avg"),
     ],
 )

@@ -210,20 +210,25 @@ def test_a_step_whose_async_save_is_in_flight_is_refused(tmp_path: Path) -> None
 # ----------------------------------------------------------------------------------- refused loads
 
 
-def test_loading_into_groups_split_otherwise_changes_nothing(tmp_path: Path) -> None:
-    for kind, message, untouched in run_ranks(load_other_groups, 2, str(tmp_path), "split", timeout=TIMEOUT):
-        assert kind == "CheckpointError" and "param groups are not the checkpoint's" in message, message
-        assert "group 0: parameters only here: none, only in the checkpoint: layers.2.weight;" in message
-        assert "group 1: parameters only here: layers.2.weight, only in the checkpoint: none." in message
-        assert untouched
+@pytest.mark.parametrize("how", ["split", "reordered"])
+def test_any_grouping_of_the_same_parameters_loads(tmp_path: Path, how: str) -> None:
+    """Settings and state are keyed per parameter FQN: groups cut at another layer, or in another
+    order, load each parameter's own saved state and settings."""
+    for kind, message, _, loaded in run_ranks(load_other_groups, 2, str(tmp_path), how, timeout=TIMEOUT):
+        assert kind == "ok", message
+        assert loaded
 
 
-def test_loading_into_reordered_groups_changes_nothing(tmp_path: Path) -> None:
-    for kind, message, untouched in run_ranks(
-        load_other_groups, 2, str(tmp_path), "reordered", timeout=TIMEOUT
+def test_a_group_whose_parameters_were_saved_with_other_settings_changes_nothing(tmp_path: Path) -> None:
+    """A group takes one learning rate: parameters saved with two are refused before any load."""
+    for kind, message, untouched, _ in run_ranks(
+        load_other_groups, 2, str(tmp_path), "split_lr", timeout=TIMEOUT
     ):
-        assert kind == "CheckpointError", message
-        assert "group 0: 'adamw' here, 'muon' in the checkpoint;" in message, message
+        assert kind == "CheckpointError" and "param groups are not the checkpoint's" in message, message
+        assert (
+            "group 1 takes one lr, but it was saved as 0.02 for layers.2.weight and 0.01 for layers.3.weight"
+            in message
+        ), message
         assert untouched
 
 
@@ -355,28 +360,44 @@ def while_async_in_flight(root: str) -> tuple[Outcome, Outcome, Outcome, list[in
     )
 
 
-def _three_groups(model: nn.Module, muon_first: int) -> list[dict[str, Any]]:
-    """Muon's hidden matrices in two groups, the first holding ``layers.0 .. layers.{muon_first-1}``."""
+def _three_groups(model: nn.Module, muon_first: int, lr: float = 0.02) -> list[dict[str, Any]]:
+    """Muon's hidden matrices in two groups, the first holding ``layers.0 .. layers.{muon_first-1}``,
+    the second at learning rate ``lr``."""
     muon, adamw = split_params(model)
     first = [(n, p) for n, p in muon["params"] if int(n.split(".")[1]) < muon_first]
     rest = [(n, p) for n, p in muon["params"] if int(n.split(".")[1]) >= muon_first]
-    return [{"params": first}, {"params": rest}, adamw]
+    return [{"params": first}, {"params": rest, "lr": lr}, adamw]
 
 
-def load_other_groups(root: str, how: str) -> tuple[str, str, bool]:
+def load_other_groups(root: str, how: str) -> tuple[str, str, bool, bool]:
     """Save with one grouping, load into an optimizer grouped otherwise ("split": the Muon matrices
-    cut at another layer; "reordered": AdamW's group first)."""
-    if how == "split":
-        model, opt = _trained(groups=lambda m: _three_groups(m, 3))
-        other = lambda m: _three_groups(m, 2)  # noqa: E731
-    else:
+    cut at another layer; "split_lr": the same, the saved second group at another learning rate;
+    "reordered": AdamW's group first). (outcome, message, nothing changed, every parameter, state
+    entry and setting is the saved one)."""
+    if how == "reordered":
         model, opt = _trained()
         other = lambda m: split_params(m)[::-1]  # noqa: E731
+    else:
+        model, opt = _trained(groups=lambda m: _three_groups(m, 3, 0.01 if how == "split_lr" else 0.02))
+        other = lambda m: _three_groups(m, 2)  # noqa: E731
     ckpt.save_checkpoint(root, 1, model, opt)
     fresh, fresh_opt = _trained(seed=5, groups=other)
     before = _snapshot(fresh, fresh_opt)
     kind, message = _outcome(lambda: ckpt.load_checkpoint(root, fresh, fresh_opt))
-    return kind, message, _same(_snapshot(fresh, fresh_opt), before)
+    after, saved = _snapshot(fresh, fresh_opt), _snapshot(model, opt)
+    del after["groups"], saved["groups"]  # by index; compared by FQN below
+    same_as_saved = _same(after, saved) and _settings(fresh, fresh_opt) == _settings(model, opt)
+    return kind, message, _same(_snapshot(fresh, fresh_opt), before), same_as_saved
+
+
+def _settings(model: nn.Module, opt: Muon) -> dict[str, Any]:
+    """Each parameter's group settings, by FQN."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        names[id(p)]: {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        for g in opt.param_groups
+        for p in g["params"]
+    }
 
 
 class _Unpicklable(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from tests.models import Net, build
 from tests.ranks import run_ranks
 
 TIMEOUT = 60.0  # seconds per multi-rank call; a rank that waits in a collective fails the test
+
+
+FORMAT1 = Path(__file__).parent / "data" / "format1"  # written by 0.2.0 (tests/data/make_format1.py)
 
 
 def _net(seed: int = 0) -> tuple[nn.Module, Muon]:
@@ -222,13 +226,14 @@ def test_a_load_with_a_flipped_manifest_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_a_manifest_written_before_the_checksum_still_loads(tmp_path: Path) -> None:
-    """Checkpoints saved by earlier versions: their manifest has no checksum (only its files do)."""
-    model, opt = _net()
-    folder = ckpt.save_checkpoint(tmp_path, 1, model, opt, extra={"data_step": 7})
+    """Checkpoints saved by earlier versions: their manifest has no checksum (only its files do).
+    Those versions wrote format 1 (tests/data/format1, its checksum taken out here)."""
+    shutil.copytree(FORMAT1, tmp_path / "root")
+    folder = tmp_path / "root" / "step_00000002"
     content = json.loads((folder / MANIFEST).read_text())
     del content["checksum"]
     (folder / MANIFEST).write_text(json.dumps(content, indent=1, sort_keys=True))
-    assert ckpt.load_checkpoint(tmp_path, *_net(1)) == {"step": 1, "data_step": 7}
+    assert ckpt.load_checkpoint(tmp_path / "root", *_net(1)) == {"step": 2, "data_position": 12}
 
 
 # ----------------------------------------------------------------------------------- on every rank

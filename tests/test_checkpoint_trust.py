@@ -129,7 +129,7 @@ def test_a_pickled_param_group_entry_never_runs(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path / "root", 1, model, opt)
     shutil.rmtree(marker, ignore_errors=True)  # a deepcopy inside the save may have run it here
     message = _load_error(tmp_path / "root", marker)
-    assert "optim.param_groups.0.lr" in message and "__0_0.distcp" in message
+    assert "optimizer.param_groups.layers.0.weight.lr" in message and "__0_0.distcp" in message
 
 
 def test_metadata_cannot_set_attributes_on_a_class(saved: Path) -> None:
@@ -215,7 +215,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused(saved: Path, field: str, value
 
 def test_export_refuses_a_flipped_bit(saved: Path, tmp_path: Path) -> None:
     folder = saved / "step_00000001"
-    info = next(v for k, v in _metadata(folder).storage_data.items() if k.fqn == "model.embed.weight")
+    info = next(v for k, v in _metadata(folder).storage_data.items() if k.fqn == "embed.weight")
     shard = folder / info.relative_path
     data = bytearray(shard.read_bytes())
     data[info.offset + info.length - 8] ^= 0x01  # inside embed.weight's values

@@ -21,26 +21,30 @@ from ..checks.warn import warn
 __all__ = ["converted_momentum", "warn_converted_momentum"]
 
 _SUFFIX = ".momentum_buffer"
-_PREFIX = "optim.state."
 
 
-def converted_momentum(metadata: Metadata, flat_state: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+def converted_momentum(
+    metadata: Metadata, flat_state: Mapping[str, Any], prefix: str
+) -> list[tuple[str, str, str]]:
     """(parameter FQN, saved dtype, configured dtype) of every momentum buffer of ``flat_state``
-    (DCP-flattened templates) that the checkpoint holds in another dtype."""
+    (DCP-flattened templates; optimizer state keys start with ``prefix``) that the checkpoint holds
+    in another dtype."""
     out = []
     for key, wanted in flat_state.items():
         saved = metadata.state_dict_metadata.get(key)
-        if not (key.startswith(_PREFIX) and key.endswith(_SUFFIX) and isinstance(wanted, torch.Tensor)):
+        if not (key.startswith(prefix) and key.endswith(_SUFFIX) and isinstance(wanted, torch.Tensor)):
             continue
         if isinstance(saved, TensorStorageMetadata) and saved.properties.dtype != wanted.dtype:
-            name = key[len(_PREFIX) : -len(_SUFFIX)]
+            name = key[len(prefix) : -len(_SUFFIX)]
             out.append((name, _short(saved.properties.dtype), _short(wanted.dtype)))
     return out
 
 
-def warn_converted_momentum(folder: Path, metadata: Metadata, flat_state: Mapping[str, Any]) -> None:
+def warn_converted_momentum(
+    folder: Path, metadata: Metadata, flat_state: Mapping[str, Any], prefix: str
+) -> None:
     """Warn, naming them, if momentum buffers will be converted as they load."""
-    converted = converted_momentum(metadata, flat_state)
+    converted = converted_momentum(metadata, flat_state, prefix)
     if not converted:
         return
     shown = ", ".join(f"'{n}' {a} -> {b}" for n, a, b in converted[:8])

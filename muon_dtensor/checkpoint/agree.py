@@ -1,18 +1,14 @@
 """Arguments of a collective load that must be the same on every rank, checked in one object
 gather before anything is read: one rank's ``optimizer_state='fresh'``, a missing optimizer, a
 missing file or name, would otherwise load half the state on some ranks and raise or hang on
-others. ``agree_save`` does the same for a save: its arguments, and the param groups every rank
-must hold alike. Both go through ``checks/together.py``, the library's one agreement primitive."""
+others. ``agree_save`` does the same for a save's arguments. Both go through ``checks/together.py``, the library's one agreement primitive."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch import nn
-from torch.optim import Optimizer
 
 from ..checks.together import raise_together
 
@@ -40,43 +36,18 @@ def agree(
 
 
 def agree_save(
-    model: nn.Module,
-    optimizer: Optimizer | None,
     group: dist.ProcessGroup | None,
     check: Callable[[], T],
     call: str = "save_checkpoint",
     **arguments: Any,
 ) -> T:
-    """Before a save writes anything: ``check()`` (the local checks) on every rank, then one
-    ``raise_together`` over the group carrying the failures, the arguments (step, root, extra, ...)
-    and the param groups every rank must share. A checkpoint keys param groups by their index, so
-    ranks whose optimizers hold other parameters (pipeline stages, one optimizer per model part)
-    would overwrite each other's groups; that difference gets its own message. Returns ``check()``."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    mine = [
-        [names.get(id(p), "?") for p in g["params"]] for g in (optimizer.param_groups if optimizer else [])
-    ]
-    digest = hashlib.blake2b(repr(mine).encode(), digest_size=8).hexdigest()
-    summary = "; ".join(
-        f"group {i}: {len(g)} parameter(s), the first {g[0] if g else None}" for i, g in enumerate(mine)
-    )
+    """Before a save writes anything: ``check()`` (the local checks, which also build the state to
+    save) on every rank, then one ``raise_together`` over the group carrying the failures and the
+    arguments (step, root, extra, ...). Ranks may hold different parameters (pipeline stages): the
+    checkpoint keys every entry by its FQN. Returns ``check()``."""
     try:
         value, error = check(), None
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         value, error = None, e
-    facts = {"param groups": summary, "their parameters": digest, **arguments}
-    try:
-        raise_together(error, group, call, facts, "Nothing was saved")
-    except ValueError as e:
-        if "param groups:" not in str(e) and "their parameters:" not in str(e):
-            raise
-        why = str(e).split(". Pass the same")[0].removeprefix(f"{call}: ranks disagree about ")
-        raise ValueError(
-            f"{call}: the ranks' optimizers hold different param groups ({why}), as pipeline "
-            "stages do (one optimizer per model part). This checkpoint keys param groups by their index, "
-            "so one rank's groups would overwrite another's and no run could load it; nothing was saved. "
-            "Save pipeline stages with torch.distributed.checkpoint and per-parameter optimizer keys "
-            "(StateDictOptions(flatten_optimizer_state_dict=True)), as docs/torchtitan.md ('Pipeline "
-            "parallelism') shows"
-        ) from None
+    raise_together(error, group, call, arguments, "Nothing was saved")
     return value  # type: ignore[return-value]

@@ -22,19 +22,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from ._dtypes import warn_converted_momentum
 from ._errors import CheckpointError
-from ._fresh import FRESH_HINT
 from .extra_tensors import PLACEHOLDER, is_extra_tensor, split_tensors
-from .safe_read import METADATA, bytes_entries, is_file_name, read_entries, read_metadata
+from .safe_read import METADATA, is_file_name
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
-    "check_compatible",
     "check_extra",
     "complete_steps",
     "crc32_file",
@@ -52,8 +46,6 @@ _CHECKSUM = "checksum"
 _LEGACY_KEYS = {"extra", "files", "step", "time", "torch", "world_size"}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 64
-_GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.(.+)")
-_GROUP_ENTRIES = ("params", "algorithm")  # what must agree between the checkpoint and the optimizer
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -257,106 +249,3 @@ def verify_files(folder: Path, names: Iterable[str], manifest: Mapping[str, Any]
         elif crc32_file(path) != want["crc32"]:
             problems.append(f"{path}: checksum mismatch (corrupted)")
     return problems
-
-
-def _tensor_keys(flat: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
-
-
-def _short(keys: Iterable[str], most: int = 12) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:most])
-    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
-
-
-def _part(key: str) -> str:
-    return key.split(".", 1)[0]
-
-
-def check_compatible(folder: Path, flat_state: Mapping[str, Any]) -> None:
-    """Raise CheckpointError, before anything is loaded, if the checkpoint's tensors are not the
-    ones ``flat_state`` (DCP-flattened ``{"model": ..., "optim": ...}``) expects.
-
-    Only the parts ``flat_state`` asks for are compared: a weights-only load (``{"model": ...}``)
-    ignores the checkpoint's optimizer entries, a full load checks both parts.
-    """
-    parts = {_part(k) for k in flat_state}
-    everything = read_metadata(folder, read_manifest(folder)["files"])
-    metadata = {k: v for k, v in everything.state_dict_metadata.items() if _part(k) in parts}
-    saved = {k: tuple(v.size) for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
-    wanted = _tensor_keys(flat_state)
-    missing, unexpected = wanted.keys() - saved.keys(), saved.keys() - wanted.keys()
-    if missing or unexpected:
-        why, hint = _optimizer_only(missing | unexpected)
-        most = 3 if hint else 12  # the fix first; a few keys after it say enough
-        raise CheckpointError(
-            f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}{why}."
-            f"{hint} Nothing was loaded. Missing from the checkpoint: {_short(missing, most) or 'nothing'}. "
-            f"Unexpected in the checkpoint: {_short(unexpected, most) or 'nothing'}."
-        )
-    wrong = [f"{k}: saved {saved[k]}, expected {wanted[k]}" for k in sorted(wanted) if saved[k] != wanted[k]]
-    if wrong:
-        raise CheckpointError(f"{folder}: shape mismatch: {_short(wrong)}. Nothing was loaded.")
-    entries = read_entries(folder, everything, bytes_entries(everything, parts))  # each one, before any load
-    _check_groups(folder, flat_state, _groups(entries))
-    warn_converted_momentum(folder, everything, flat_state)
-
-
-def _optimizer_only(keys: Iterable[str]) -> tuple[str, str]:
-    """What the error says, and the way out, when the weights match and only the optimizer state
-    does not; nothing when the weights differ too."""
-    if any(_part(k) != "optim" for k in keys):
-        return "", ""
-    why = (
-        ": the weights match, the optimizer state does not (the checkpoint was saved with another "
-        "optimizer or other param groups, or without an optimizer)"
-    )
-    return why, f" {FRESH_HINT}"
-
-
-def _groups(entries: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """Param group index -> its ``params`` (FQNs) and ``algorithm`` among flattened ``entries``."""
-    out: dict[int, dict[str, Any]] = {}
-    for key, value in entries.items():
-        if match := _GROUP_KEY.fullmatch(key):
-            entry = out.setdefault(int(match.group(1)), {})
-            if match.group(2) in _GROUP_ENTRIES:
-                entry[match.group(2)] = value
-    return out
-
-
-def _group_problems(i: int, here: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
-    problems = []
-    algorithms = here.get("algorithm"), saved.get("algorithm")
-    if None not in algorithms and algorithms[0] != algorithms[1]:
-        problems.append(f"group {i}: {algorithms[0]!r} here, {algorithms[1]!r} in the checkpoint")
-    if isinstance(here.get("params"), list) and isinstance(saved.get("params"), list):
-        ours, theirs = set(here["params"]), set(saved["params"])
-        if ours != theirs:
-            problems.append(
-                f"group {i}: parameters only here: {_short(ours - theirs) or 'none'}, "
-                f"only in the checkpoint: {_short(theirs - ours) or 'none'}"
-            )
-    return problems
-
-
-def _check_groups(folder: Path, flat_state: Mapping[str, Any], theirs: dict[int, dict[str, Any]]) -> None:
-    """The optimizer's groups must be the checkpoint's, index by index: the same algorithm and the
-    same parameter FQNs. DCP restores hyperparameters by group index and state by FQN, so another
-    split or order would put one group's settings on another's parameters."""
-    ours = _groups(flat_state)
-    if not ours:
-        return
-    if theirs and len(ours) != len(theirs):
-        raise CheckpointError(
-            f"{folder}: the optimizer was saved with {len(theirs)} param group(s) but has {len(ours)}; "
-            "build it with the same groups (e.g. the same split_params call). Nothing was loaded. "
-            + FRESH_HINT
-        )
-    problems = [p for i in sorted(ours) for p in _group_problems(i, ours[i], theirs.get(i, {}))]
-    if problems:
-        raise CheckpointError(
-            f"{folder}: the optimizer's param groups are not the checkpoint's: {'; '.join(problems)}. "
-            "Build it with the same groups in the same order (e.g. the same split_params call). "
-            "Nothing was loaded. " + FRESH_HINT
-        )

@@ -31,6 +31,7 @@ from ..sharding.plan.blocks import Block
 from ..sharding.plan.param_layout import local_of
 from ._warnings import single_process
 from .agree import agree
+from .layout import layout_of_manifest
 from .manifest import CheckpointError, verify_folder
 from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
 
@@ -44,17 +45,24 @@ INDEX = "model.safetensors.index.json"
 WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 
-def _read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The ``prefix`` tensors of a step folder, after every file was checked against its manifest."""
-    files = sorted(verify_folder(folder)["files"])
+def _read_tensors(folder: Path, prefix: str | None) -> dict[str, torch.Tensor]:
+    """The ``prefix`` tensors of a step folder (None: its model's), after every file was checked
+    against its manifest."""
+    manifest = verify_folder(folder)
+    files = sorted(manifest["files"])
     metadata = read_metadata(folder, files).state_dict_metadata
+    layout = layout_of_manifest(manifest)
+    if prefix is None:
+        prefix, chosen = layout.model, [k for k in metadata if layout.part(k) == "model"]
+    else:
+        chosen = [k for k in metadata if k.startswith(prefix)]
     state = {
         key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+        for key in chosen
+        if isinstance(meta := metadata[key], TensorStorageMetadata)
     }
     if not state:
-        raise CheckpointError(f"{folder} holds no tensors under '{prefix}'")
+        raise CheckpointError(f"{folder} holds no model tensors" + (f" under '{prefix}'" if prefix else ""))
     reader, planner = SafeReader(folder, files), SafeLoadPlanner()
     try:
         with single_process():  # "assuming the intent is to load in a single process": it is
@@ -81,19 +89,21 @@ def export_safetensors(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    prefix: str = "model.",
+    prefix: str | None = None,
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
     config: Any = None,
 ) -> list[Path]:
-    """Write the ``prefix`` tensors of a DCP checkpoint folder as safetensors; returns the files.
+    """Write the model's tensors of a checkpoint step folder as safetensors; returns the files.
 
     ``from_pretrained`` also needs a ``config.json`` beside the weights: ``config`` (a Hugging Face
     config, e.g. ``model.config``, or a dict) is written there; without it and without one already
     in ``out_dir``, a warning says so.
 
-    Names lose ``prefix`` (``model.layers.0.q.weight`` -> ``layers.0.q.weight``), so a checkpoint of a
-    Hugging Face model exports under the names ``from_pretrained`` expects. With ``max_shard_bytes``
+    Names are the model's FQNs (a checkpoint of pipeline stages holds every stage's: the whole
+    model), so a checkpoint of a Hugging Face model exports under the names ``from_pretrained``
+    expects. ``prefix`` picks other entries by their checkpoint keys instead, and drops it from
+    the names. With ``max_shard_bytes``
     the weights are split into ``model-0000i-of-0000n.safetensors`` plus an index file. The folder
     is checked as ``load_checkpoint`` checks it (manifest, every file's size and CRC-32) before
     anything is read or written; a failure is a CheckpointError naming the file.
