@@ -1,139 +1,189 @@
-"""Checkpoints across a pipeline merge: saved by 2 stages x 2 FSDP2 shards (4 ranks, one Muon per
-stage), resumed by one model on FSDP2 over 2 ranks with one Muon, and back.
-
-The recipe (docs/torchtitan.md, "Pipeline parallelism"): each rank saves its part with
-``torch.distributed.checkpoint`` and per-parameter optimizer keys
-(``flatten_optimizer_state_dict=True``, as torchtitan's optimizer container does), so the stages'
-entries never collide and any grouping of the parameters loads them. The resumed step must equal
-the uninterrupted run's bit for bit (both see the same batches; every run here is bitwise one
-process). ``muon_dtensor.checkpoint.save_checkpoint`` keys param groups by index: it refuses stage
-optimizers on every rank before writing anything.
+"""One checkpoint for every stage layout, through the helpers (``save_checkpoint``/``load_checkpoint``
+with model parts): saved by 2 stages x 2 FSDP2 shards on 4 ranks, it resumes on the same stages, on 4
+stages, with HSDP or TP inside a stage, merged on 2 ranks without pipeline parallelism (and back),
+and as two model parts per rank (virtual stages, lists of parts and optimizers). Each resumed run
+must hold the saved state and continue bit for bit as the uninterrupted run: every layout steps on
+the same synthetic gradients (``tests.stage_layouts``), and every step is bitwise one process, so
+the reference is one process. The real schedule (GPipe's backward) resumes merged in
+``test_a_real_pipeline_resumes_merged``.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 import muon_dtensor.checkpoint as ckpt
-from muon_dtensor import Muon
-from tests.pipeline import Pipeline, differences, muon, reference_train, shard, snapshot, stack
+from muon_dtensor import Muon, split_params
+from tests.pipeline import Pipeline, differences, reference_train, shard, snapshot, stack
 from tests.ranks import run_ranks
+from tests.stage_layouts import build, cut, train
 
-TIMEOUT = 90.0  # one 4-rank call on 2 busy cores takes about 10 s
+TIMEOUT = 120.0  # one 4-rank call of several layouts on 2 busy cores takes about 20 s
 SPLIT, TOTAL = 2, 3  # saved after SPLIT steps, resumed for one more
-PER_FQN = StateDictOptions(flatten_optimizer_state_dict=True)
 Snapshot = dict[str, torch.Tensor]
 
 
-def test_stages_resume_merged(tmp_path: Path) -> None:
-    stages = run_ranks(stages_save, 4, str(tmp_path), timeout=TIMEOUT)
-    merged = run_ranks(merged_resume, 2, str(tmp_path), timeout=TIMEOUT)
-    _check(saved=_union(stages, "saved"), straight=_union(stages, "final"), resumed=merged)
+@functools.cache
+def reference() -> tuple[Snapshot, Snapshot]:
+    """One process, the whole model: its parameters and state after SPLIT and after TOTAL steps."""
+    model = stack(0)
+    opt = Muon(split_params(model), lr=0.02)
+    train(model, opt, range(SPLIT))
+    saved = snapshot(model, opt)
+    train(model, opt, range(SPLIT, TOTAL))
+    return saved, snapshot(model, opt)
 
 
-def test_merged_resumes_on_stages(tmp_path: Path) -> None:
-    merged = run_ranks(merged_save, 2, str(tmp_path), timeout=TIMEOUT)
-    stages = run_ranks(stages_resume, 4, str(tmp_path), timeout=TIMEOUT)
-    for rank, r in enumerate(stages):  # each stage holds its part: the merged run's entries of that part
-        part = {k: v for k, v in merged[0]["final"].items() if k in r["final"]}
-        assert len(part) == (16 if rank < 2 else 24), rank
-        _check(saved=merged[0]["saved"], straight=part, resumed=[r])
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("stages")
+    return root, run_ranks(stages_everywhere, 4, str(root), timeout=TIMEOUT)
 
 
-def test_save_checkpoint_refuses_stage_optimizers(tmp_path: Path) -> None:
-    for rank, message in enumerate(run_ranks(stages_save_helpers, 4, str(tmp_path), timeout=TIMEOUT)):
-        assert "ranks' optimizers hold different param groups" in message, (rank, message)
-        assert "'group 0: 2 parameter(s), the first layers.0.weight" in message, message
-        assert "'group 0: 2 parameter(s), the first layers.2.weight" in message, message
-        assert "on ranks 0, 1" in message and "on ranks 2, 3" in message, message
-        assert "flatten_optimizer_state_dict=True" in message, message
-    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary folder
+@pytest.mark.parametrize("layout", ["saved", "stages", "stages4", "hsdp", "tp", "stages4->stages"])
+def test_stages_resume_on_every_stage_layout(
+    stage_runs: tuple[Path, list[dict[str, Any]]], layout: str
+) -> None:
+    _check([r[layout] for r in stage_runs[1]])
 
 
-def _union(results: list[dict[str, Any]], key: str) -> Snapshot:
-    """The full model's entries from a stage run: stage 0's (rank 0) and stage 1's (rank 2)."""
-    return {**results[0][key], **results[2][key]}
+def test_stages_resume_merged_and_as_two_parts_per_rank(
+    stage_runs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root = stage_runs[0]
+    results = run_ranks(on_two_ranks, 2, str(root), timeout=TIMEOUT)
+    for layout in ("merged", "parts", "parts->merged"):
+        _check([r[layout] for r in results])
+    back = run_ranks(merged_back_on_stages, 4, str(root), timeout=TIMEOUT)
+    _check(back)
 
 
-def _check(saved: Snapshot, straight: Snapshot, resumed: list[dict[str, Any]]) -> None:
-    for rank, r in enumerate(resumed):
-        assert set(r["loaded"]) <= set(saved) and set(r["final"]) == set(straight), rank
+def test_export_of_stages_is_the_whole_model(
+    stage_runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Stages' checkpoint exports every stage's weights: the export of the merged run's checkpoint of
+    the same step (written by ``on_two_ranks``), tensor for tensor."""
+    root = stage_runs[0]
+    if not (root / "merged").exists():
+        run_ranks(on_two_ranks, 2, str(root), timeout=TIMEOUT)
+    stages = ckpt.export_safetensors(root / "a" / "step_00000002", tmp_path / "stages")
+    merged = ckpt.export_safetensors(root / "merged" / "step_00000002", tmp_path / "merged")
+    a, b = load_file(str(stages[0])), load_file(str(merged[0]))
+    assert a.keys() == b.keys() == dict(stack(0).named_parameters()).keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], reference()[0][k]) for k in a)
+
+
+def test_a_real_pipeline_resumes_merged(tmp_path: Path) -> None:
+    """GPipe's schedule on 2 stages x 2 shards saves through the helpers; one model on FSDP2 over 2
+    ranks resumes it with the schedule's arithmetic (gradients summed over micro-batches)."""
+    stages = run_ranks(schedule_save, 4, str(tmp_path), timeout=TIMEOUT)
+    merged = run_ranks(schedule_resume_merged, 2, str(tmp_path), timeout=TIMEOUT)
+    saved, straight = (
+        {**stages[0]["saved"], **stages[2]["saved"]},
+        {**stages[0]["final"], **stages[2]["final"]},
+    )
+    for rank, r in enumerate(merged):
         assert differences(r["loaded"], saved) == [], f"rank {rank}: changed by save and load"
         assert differences(r["final"], straight) == [], f"rank {rank}: resumed step differs"
-    assert any(k.endswith(":momentum_buffer") for k in straight) and any(
-        k.endswith(":exp_avg") for k in straight
-    )
+
+
+def _check(results: list[dict[str, Snapshot]]) -> None:
+    """Each rank's part equals the reference: as loaded (or saved), and after the resumed step."""
+    saved, final = reference()
+    assert sum(len(r["loaded"]) for r in results) >= len(saved), "the parts together hold the model"
+    for rank, r in enumerate(results):
+        assert r["loaded"] and differences(r["loaded"], saved) == [], f"rank {rank}: not the saved state"
+        assert differences(r["final"], final) == [], f"rank {rank}: the resumed step differs"
 
 
 # Rank functions (run by tests.ranks in every rank of the pool).
 
 
-def save(model: nn.Module, opt: Muon, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, opt, options=PER_FQN)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+def _resumed(layout: str, folder: Path) -> dict[str, Snapshot]:
+    model, opt = build(layout, seed=5)  # other initial weights: the load must replace them
+    assert ckpt.load_checkpoint(folder, model, opt) == {"step": SPLIT}
+    loaded = snapshot(model, opt)
+    train(model, opt, range(SPLIT, TOTAL))
+    return {"loaded": loaded, "final": snapshot(model, opt)}
 
 
-def load(model: nn.Module, opt: Muon, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, opt, options=PER_FQN)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=PER_FQN
-    )
+def _saved(layout: str, folder: Path) -> dict[str, Snapshot]:
+    model, opt = build(layout, seed=0)
+    train(model, opt, range(SPLIT))
+    ckpt.save_checkpoint(folder, SPLIT, model, opt)
+    loaded = snapshot(model, opt)
+    train(model, opt, range(SPLIT, TOTAL))
+    return {"loaded": loaded, "final": snapshot(model, opt)}
 
 
-def _merged(seed: int) -> tuple[nn.Module, Muon]:
-    """The whole model, fully_shard-ed on a 1-D mesh of the 2 ranks, and one Muon."""
-    model = shard(stack(seed), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
-    return model, muon(model)
+def stages_everywhere(root: str) -> dict[str, dict[str, Snapshot]]:
+    """Save on 2 stages x 2 shards (folder a), resume on each 4-rank layout; save on 4 stages
+    (folder b), resume on 2 stages."""
+    out = {"saved": _saved("stages", Path(root) / "a")}
+    for layout in ("stages", "stages4", "hsdp", "tp"):
+        out[layout] = _resumed(layout, Path(root) / "a")
+    _saved("stages4", Path(root) / "b")
+    out["stages4->stages"] = _resumed("stages", Path(root) / "b")
+    return out
 
 
-def stages_save(root: str) -> dict[str, Snapshot]:
+def _two_parts(seed: int) -> tuple[list[Any], list[Muon]]:
+    """Virtual stages: 4 stages of one layer, rank r holding stages r and r + 2, plain tensors."""
+    whole = stack(seed)
+    parts = [cut(whole, 4, dist.get_rank() + 2 * i) for i in range(2)]
+    return parts, [Muon(split_params(p), lr=0.02) for p in parts]
+
+
+def _snapshots(parts: list[Any], opts: list[Muon]) -> Snapshot:
+    return {k: v for p, o in zip(parts, opts) for k, v in snapshot(p, o).items()}
+
+
+def on_two_ranks(root: str) -> dict[str, dict[str, Snapshot]]:
+    """On 2 ranks: the stages' checkpoint merged (FSDP2 over both, folder merged saved too) and as
+    two parts per rank; the parts' own checkpoint (folder parts) merged."""
+    out = {"merged": _resumed("merged", Path(root) / "a")}
+    _saved("merged", Path(root) / "merged")
+    parts, opts = _two_parts(seed=5)
+    assert ckpt.load_checkpoint(Path(root) / "a", parts, opts) == {"step": SPLIT}
+    loaded = _snapshots(parts, opts)
+    for p, o in zip(parts, opts):
+        train(p, o, range(SPLIT, TOTAL))
+    out["parts"] = {"loaded": loaded, "final": _snapshots(parts, opts)}
+    parts, opts = _two_parts(seed=0)
+    for p, o in zip(parts, opts):
+        train(p, o, range(SPLIT))
+    ckpt.save_checkpoint(Path(root) / "parts", SPLIT, parts, opts)
+    out["parts->merged"] = _resumed("merged", Path(root) / "parts")
+    return out
+
+
+def merged_back_on_stages(root: str) -> dict[str, Snapshot]:
+    return _resumed("stages", Path(root) / "merged")
+
+
+def schedule_save(root: str) -> dict[str, Snapshot]:
     pipe = Pipeline()
     pipe.train(range(SPLIT))
-    save(pipe.model, pipe.opt, root)
+    ckpt.save_checkpoint(root, SPLIT, pipe.model, pipe.opt)
     saved = snapshot(pipe.model, pipe.opt)
     pipe.train(range(SPLIT, TOTAL))
     return {"saved": saved, "final": snapshot(pipe.model, pipe.opt)}
 
 
-def merged_resume(root: str) -> dict[str, Snapshot]:
-    model, opt = _merged(seed=5)  # other initial weights: the load must replace them
-    load(model, opt, root)
+def schedule_resume_merged(root: str) -> dict[str, Snapshot]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = shard(stack(5), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+    opt = Muon(split_params(model), lr=0.02)
+    ckpt.load_checkpoint(root, model, opt)
     loaded = snapshot(model, opt)
     reference_train(model, opt, range(SPLIT, TOTAL))  # FSDP's backward, the pipeline's micro-batches
     return {"loaded": loaded, "final": snapshot(model, opt)}
-
-
-def merged_save(root: str) -> dict[str, Snapshot]:
-    model, opt = _merged(seed=0)
-    reference_train(model, opt, range(SPLIT))
-    save(model, opt, root)
-    saved = snapshot(model, opt)
-    reference_train(model, opt, range(SPLIT, TOTAL))
-    return {"saved": saved, "final": snapshot(model, opt)}
-
-
-def stages_resume(root: str) -> dict[str, Snapshot]:
-    pipe = Pipeline(seed=5)
-    load(pipe.model, pipe.opt, root)
-    loaded = snapshot(pipe.model, pipe.opt)
-    pipe.train(range(SPLIT, TOTAL))
-    return {"loaded": loaded, "final": snapshot(pipe.model, pipe.opt)}
-
-
-def stages_save_helpers(root: str) -> str:
-    pipe = Pipeline()
-    pipe.train(range(1))
-    try:
-        ckpt.save_checkpoint(root, 1, pipe.model, pipe.opt)
-    except ValueError as e:
-        return str(e)
-    return "saved"

@@ -22,15 +22,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.optim import Optimizer
 
 from ..checks.together import attempt, raise_together
 from ..sharding.runtime import groups
@@ -38,7 +36,7 @@ from . import collectives
 from ._warnings import single_process
 from .agree import agree_save
 from .extra_tensors import rank_entries, split_tensors
-from .layout import PER_FQN, Parts, dcp_state, part_states
+from .layout import PER_FQN, Models, Optimizers, Parts, dcp_state, part_states
 from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, check_extra, complete_steps, file_record
 from .publish import IN_FLIGHT, claim, discarding, prune, publish
@@ -54,10 +52,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-Models = nn.Module | Sequence[nn.Module]
-Optimizers = Optimizer | Sequence[Optimizer] | None
 
 
 def _solo() -> bool:

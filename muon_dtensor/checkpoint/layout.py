@@ -23,9 +23,20 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-__all__ = ["BY_INDEX", "PER_FQN", "TORCHTITAN", "Layout", "Parts", "layout_of_manifest"]
+__all__ = [
+    "BY_INDEX",
+    "PER_FQN",
+    "TORCHTITAN",
+    "Layout",
+    "Models",
+    "Optimizers",
+    "Parts",
+    "layout_of_manifest",
+]
 
 _NAMES = "param_names"
+Models = nn.Module | Sequence[nn.Module]  # one model part, or a rank's parts
+Optimizers = Optimizer | Sequence[Optimizer] | None  # one per part; None: weights only
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ class Parts:
     optimizers: tuple[Optimizer | None, ...]
 
     @staticmethod
-    def of(model: nn.Module | Sequence[nn.Module], optimizer: Any) -> Parts:
+    def of(model: Models, optimizer: Optimizers) -> Parts:
         """From a save or load's arguments; ValueError (local, before any collective) for lists
         that do not pair up."""
         models = (model,) if isinstance(model, nn.Module) else tuple(model)

@@ -17,10 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.optim import Optimizer
 
 from ..checks.together import attempt, raise_together
 from . import collectives
@@ -29,7 +27,18 @@ from ._warnings import single_process
 from .agree import agree
 from .extra_tensors import fill, templates
 from .fit import check_compatible, tensor_keys
-from .layout import TORCHTITAN, Layout, Parts, PartState, apply, dcp_state, layout_of_manifest, part_states
+from .layout import (
+    TORCHTITAN,
+    Layout,
+    Models,
+    Optimizers,
+    Parts,
+    PartState,
+    apply,
+    dcp_state,
+    layout_of_manifest,
+    part_states,
+)
 from .manifest import MANIFEST, CheckpointError, complete_steps, read_manifest, step_dir, verify_files
 from .safe_read import METADATA, SafeLoadPlanner, SafeReader, read_metadata
 
@@ -103,8 +112,8 @@ def _titan_manifest(folder: Path, rank: int) -> dict[str, Any]:
 
 def load_checkpoint(
     root: str | os.PathLike,
-    model: nn.Module | list[nn.Module],
-    optimizer: Optimizer | list[Optimizer] | None = None,
+    model: Models,
+    optimizer: Optimizers = None,
     *,
     step: int | None = None,
     optimizer_state: str = "load",
@@ -162,7 +171,7 @@ def load_checkpoint(
     return {"step": chosen, **fill(manifest.get("extra", {}), state)}
 
 
-def _types(optimizer: Any) -> str | None:
+def _types(optimizer: Optimizers) -> str | None:
     """The optimizers' type names, as the ranks must agree on them (None: weights only)."""
     if isinstance(optimizer, (list, tuple)):
         return repr([type(o).__qualname__ for o in optimizer])
