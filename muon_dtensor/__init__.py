@@ -29,4 +29,4 @@ __all__ = [
 ]
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -25,7 +25,6 @@ __all__ = [
     "check_optimizer_state",
     "keep_param_names",
     "start_fresh",
-    "unwrapped_param_names",
 ]
 
 OPTIMIZER_STATES = ("load", "fresh")
@@ -60,14 +59,6 @@ def start_fresh(optimizer: Optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 init_state(optimizer.state, group, p)
-
-
-def unwrapped_param_names(optim_sd: dict[str, Any]) -> None:
-    """In a state dict from ``get_state_dict`` (a copy, not the optimizer's groups): names are set
-    to the group's FQNs as DCP wrote them, without wrapper components."""
-    for group in optim_sd.get("param_groups", []):
-        if "param_names" in group:
-            group["param_names"] = list(group["params"])
 
 
 def keep_param_names(optim_sd: dict[str, Any], optimizer: Optimizer) -> None:

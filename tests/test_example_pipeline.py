@@ -1,0 +1,105 @@
+"""``examples/pipeline.py`` end to end, as its docstring runs it (torchrun, gloo on CPU): 2 stages x 2
+FSDP2 shards on 4 ranks train and die right after step DIE's save; from that checkpoint, 2 ranks
+resume with the stages merged (FSDP2, one Muon, no pipeline) and 4 ranks resume on the stages; each
+finishes at step STEPS with the weights of an uninterrupted 4-rank run, bit for bit (the example
+prints a sha256 over every parameter) and the same loss at every step. The five launches run once
+for the module."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pipeline.py"
+TIMEOUT = 300  # seconds per launch; one takes about 15 s, but other suites may share the 2 cores
+STEPS, SAVE, DIE = 6, 2, 4
+COMMON = ("--steps", str(STEPS), "--save-every", str(SAVE))
+
+
+@dataclass(frozen=True)
+class Run:
+    code: int
+    out: str
+    seconds: float
+
+    def losses(self) -> dict[int, str]:
+        """Step -> the loss rank 0 logged, as printed."""
+        return {int(s): loss for s, loss in re.findall(r"^step (\d+)/\d+ loss (\S+)$", self.out, re.M)}
+
+    def final(self) -> str:
+        lines = [line for line in self.out.splitlines() if line.startswith("final step ")]
+        assert len(lines) == 1, f"no single final line (exit {self.code}):\n{self.out[-4000:]}"
+        return lines[0]
+
+
+def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str) -> Run:
+    """One launch in its own process group (killed whole on a hang); its output, exit code, time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command += [str(EXAMPLE), *COMMON, "--ckpt", ckpt, *flags]
+    clock = time.perf_counter()
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(command[4:])} hung past {TIMEOUT} s:\n{out[-4000:]}")
+    return Run(proc.returncode, out, time.perf_counter() - clock)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp: Path) -> dict[str, Run]:
+    """died (4 ranks, --die-at DIE), merged and stages (resumed from its checkpoint, each on its own
+    copy), straight (4 ranks, uninterrupted). The folder ``pristine`` keeps the died run's checkpoints."""
+    out = {"died": _torchrun(tmp, 4, "died", "--die-at", str(DIE))}
+    for name in ("pristine", "stages"):
+        shutil.copytree(tmp / "died", tmp / name)
+    out["merged"] = _torchrun(tmp, 2, "died", "--resume", "--merged")
+    out["stages"] = _torchrun(tmp, 4, "stages", "--resume")
+    out["straight"] = _torchrun(tmp, 4, "straight")
+    for name, run in out.items():
+        print(f"{name}: exit {run.code}, {run.seconds:.1f} s")
+    return out
+
+
+@pytest.mark.slow
+def test_the_run_dies_right_after_its_save(runs: dict[str, Run], tmp: Path) -> None:
+    died, straight = runs["died"], runs["straight"]
+    assert died.code != 0, died.out[-4000:]
+    assert f"--die-at {DIE}: every rank exits now" in died.out and "final step" not in died.out
+    assert died.losses() == {s: straight.losses()[s] for s in range(1, DIE + 1)}, died.out[-4000:]
+    assert sorted(p.name for p in (tmp / "pristine").glob("step_*")) == [
+        f"step_{DIE - SAVE:08d}",
+        f"step_{DIE:08d}",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", ["merged", "stages"])
+def test_the_resumed_run_ends_bitwise_as_the_uninterrupted_one(runs: dict[str, Run], resumed: str) -> None:
+    run, straight = runs[resumed], runs["straight"]
+    assert run.code == 0 and straight.code == 0, f"{run.out[-4000:]}\n{straight.out[-4000:]}"
+    ckpt, layout = ("died", "merged") if resumed == "merged" else ("stages", "2 stages")
+    assert f"resumed step {DIE} from {ckpt} ({layout})" in run.out, run.out[-4000:]
+    assert len(straight.losses()) == STEPS
+    assert run.losses() == {s: straight.losses()[s] for s in range(DIE + 1, STEPS + 1)}
+    assert run.final() == straight.final()  # the final loss and the sha256 of every weight
