@@ -5,6 +5,7 @@ refused before anything is written or loaded; parts saved together load as one m
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tests.stage_layouts import cut, train
 FORMAT1 = Path(__file__).parent / "data" / "format1"
 
 
-def _parts(seed: int) -> tuple[list[nn.Module], list[Muon]]:
+def _parts(seed: int) -> tuple[list[Any], list[Muon]]:
     whole = stack(seed)
     parts = [cut(whole, 2, s) for s in range(2)]
     return parts, [Muon(split_params(p), lr=0.02) for p in parts]
@@ -45,6 +46,7 @@ def test_parts_saved_together_load_as_one_model_and_back(tmp_path: Path) -> None
 @pytest.mark.parametrize("case", ["unpaired", "shared", "clash"])
 def test_parts_that_cannot_be_saved_are_refused_before_any_write(tmp_path: Path, case: str) -> None:
     parts, opts = _parts(0)
+    args: tuple[Any, Any]
     if case == "unpaired":
         args, pattern = (
             (parts, opts[:1]),

@@ -29,7 +29,9 @@ from muon_dtensor.demo.data import batch, corpus, tokens
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import shard_model
 from muon_dtensor.tools import resume_check, testing
-from muon_dtensor.tools.resume_check import _compare, loss_scale, micro_batches_for, run_resume_check
+from muon_dtensor.tools.resume_check import loss_scale, micro_batches_for, run_resume_check
+from muon_dtensor.tools.resume_report import GRADIENT_ENVELOPE
+from muon_dtensor.tools.resume_report import compare as _compare
 from tests import ranks
 
 CFG = ModelConfig(vocab=64, dim=32, layers=1, heads=2, seq=16)
@@ -74,6 +76,34 @@ def recipe_step(model: nn.Module, opt: Optimizer, sched: LambdaLR, step: int, ra
     sched.step()
 
 
+def clipped_step(model: nn.Module, opt: Optimizer, sched: LambdaLR, step: int, rank: int, world: int) -> None:
+    """A standard LLM step: this rank's share in two accumulated micro-batches, the norm clipped to 1."""
+    share = batch(_data(), step, BATCH, CFG.seq)[rank * (BATCH // world) : (rank + 1) * (BATCH // world)]
+    for micro in share.chunk(2):
+        (model.loss(micro) / 2).backward()  # type: ignore[operator]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+
+
+def lossy_build(rank: int, world: int) -> tuple[nn.Module, Muon, LambdaLR]:
+    """``build``, whose optimizer loses every other momentum buffer when it loads a state dict."""
+    model, opt, sched = build(rank, world)
+    loaded: list[bool] = []
+
+    def lose(optimizer: Optimizer, *_: Any) -> None:  # at the first step after a load
+        if loaded:
+            buffers = [s["momentum_buffer"] for s in optimizer.state.values() if "momentum_buffer" in s]
+            for buf in buffers[::2]:
+                buf.zero_()
+            loaded.clear()
+
+    opt.register_load_state_dict_post_hook(lambda _: loaded.append(True))
+    opt.register_step_pre_hook(lose)
+    return model, opt, sched
+
+
 class _SharedRuns:
     """``resume_check``'s launcher here: the pooled ranks; an uninterrupted run (no load, no save)
     and a save run (no load) with the same functions, world size and steps run once, a save's
@@ -85,14 +115,14 @@ class _SharedRuns:
 
     def __call__(self, fn: Any, world: int, *args: Any, timeout: float) -> list[Any]:
         assert fn is resume_check._rank_run, fn
-        build_fn, step_fn, load_from, save_to, save_at, last = args
+        build_fn, step_fn, load_from, save_to, save_at, last, _ = args
         if load_from is not None:
             return ranks.run_ranks(fn, world, *args, timeout=timeout)
         key = (world, build_fn, step_fn, save_at, last, save_to is not None)
         if key not in self.done:
             saved = str(self.folder / f"save{len(self.done)}") if save_to is not None else None
             values = ranks.run_ranks(
-                fn, world, build_fn, step_fn, None, saved, save_at, last, timeout=timeout
+                fn, world, build_fn, step_fn, None, saved, save_at, last, None, timeout=timeout
             )
             self.done[key] = (values, saved)
         values, saved = self.done[key]
@@ -133,9 +163,42 @@ def test_micro_batch_recipe_resumes_bitwise_on_fewer_ranks(shared_runs: _SharedR
     assert out["bitwise"] and out["passed"], out
 
 
+def test_a_clipped_accumulating_loop_passes_same_gradients_on_fewer_ranks(shared_runs: _SharedRuns) -> None:
+    """Clipping, accumulation and a scheduler, 2 -> 1: the gradients differ in their last bits (another
+    sum order), so the run is not bitwise; stepped on the uninterrupted run's gradients it is, and its
+    own gradients stay within the summation envelope."""
+    out = run_resume_check(
+        build, clipped_step, steps=STEPS, save_at=SAVE_AT, world_sizes=(2, 1), profile="same_gradients"
+    )
+    assert out["passed"] and out["gradients"]["within"], out
+    assert out["first_resumed_grads"]["max_diff"] > 0 and out["gradients"]["max_rel_diff"] > 0, out
+    assert all(v["max_diff"] == 0 for v in out["per_step"].values()), out["per_step"]
+
+
+@pytest.mark.parametrize("worlds", [(2, 2), (2, 1)])
+def test_a_loop_that_loses_momentum_fails_same_gradients(
+    shared_runs: _SharedRuns, worlds: tuple[int, int]
+) -> None:
+    """Half the momentum buffers restart from zero at the load, as round-robin Muon's rank-0 state
+    dict makes them: the first resumed update differs, on the same and on fewer ranks."""
+    out = run_resume_check(
+        lossy_build, plain_step, steps=STEPS, save_at=SAVE_AT, world_sizes=worlds, profile="same_gradients"
+    )
+    assert not out["passed"] and out["first_failure_step"] == SAVE_AT + 1, out
+    assert out["per_step"][str(SAVE_AT + 1)]["max_diff"] > 0
+
+
 def _run(params: dict[int, dict[str, torch.Tensor]], grads: dict[str, torch.Tensor]) -> dict[str, Any]:
     state = {"w/momentum": torch.ones(2)}
-    return {"params": params, "grads": grads, "lrs": {3: 0.5}, "state": state, "scheduler": {}, "rng": ["x"]}
+    by_step = {3: grads}  # the gradients of each resumed step (step 3, after the save at 2)
+    return {
+        "params": params,
+        "grads": by_step,
+        "lrs": {3: 0.5},
+        "state": state,
+        "scheduler": {},
+        "rng": ["x"],
+    }
 
 
 def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
@@ -159,6 +222,12 @@ def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
     assert not _compare(base, moved, profile="bf16_envelope", world_sizes=same)["passed"]
     loaded_wrong = _run({2: {"w": one * 2}, 3: {"w": one}}, {"w": one})
     assert not _compare(base, loaded_wrong, profile="bf16_envelope", world_sizes=same)["passed"]
+    # same_gradients: parameters and state bitwise; the run's own gradients within the envelope
+    rounded = _run({2: {"w": one}, 3: {"w": one}}, {"w": one + GRADIENT_ENVELOPE})
+    other_batch = _run({2: {"w": one}, 3: {"w": one}}, {"w": one * 1.5})
+    assert _compare(base, rounded, profile="same_gradients", world_sizes=same)["passed"]
+    assert not _compare(base, other_batch, profile="same_gradients", world_sizes=same)["passed"]
+    assert not _compare(base, off, profile="same_gradients", world_sizes=same)["passed"]
 
 
 def test_bad_input_is_refused_before_any_rank_starts() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,18 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from .resume_report import compare
 from .testing import FunctionRef, check_launch, function_ref, resolve, run_ranks
 
 __all__ = ["PROFILES", "loss_scale", "micro_batches_for", "run_resume_check"]
 
-PROFILES = ("bitwise", "first_step_float", "bf16_envelope")
-FLOAT32_ULP = 2.0**-23  # ulp(x) <= 2**-23 * |x| for a normal float32 x
-BF16_ULP = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding <= 2**-8
-ULPS_PER_STEP = 4  # first_step_float: a few float32 roundings of the parameter per resumed step
+PROFILES = ("bitwise", "same_gradients", "first_step_float", "bf16_envelope")
 
 Build = Callable[[int, int], tuple[nn.Module, Optimizer, Any]]
 TrainStep = Callable[[nn.Module, Optimizer, Any, int, int, int], Any]
@@ -90,10 +87,16 @@ def run_resume_check(
     )
     save_world, resume_world = world_sizes
     with tempfile.TemporaryDirectory(prefix="resume_check_") as tmp:
-        straight = run_ranks(_rank_run, save_world, *loop, None, None, save_at, steps, timeout=timeout)
-        run_ranks(_rank_run, save_world, *loop, None, tmp, save_at, save_at, timeout=timeout)
-        resumed = run_ranks(_rank_run, resume_world, *loop, tmp, None, save_at, steps, timeout=timeout)
-    out = _compare(straight[0], resumed[0], profile=profile, world_sizes=world_sizes)
+        straight = run_ranks(_rank_run, save_world, *loop, None, None, save_at, steps, None, timeout=timeout)
+        run_ranks(_rank_run, save_world, *loop, None, tmp, save_at, save_at, None, timeout=timeout)
+        replay = None
+        if profile == "same_gradients":  # the resumed run steps on the uninterrupted run's gradients
+            replay = str(Path(tmp) / "gradients.pt")
+            torch.save(straight[0]["grads"], replay)
+        resumed = run_ranks(
+            _rank_run, resume_world, *loop, tmp, None, save_at, steps, replay, timeout=timeout
+        )
+    out = compare(straight[0], resumed[0], profile=profile, world_sizes=world_sizes)
     out.update(steps=steps, save_at=save_at)
     if report is not None:
         Path(report).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -187,19 +190,25 @@ def _load(folder: str, model: nn.Module, opt: Optimizer, sched: Any) -> int:
 
 
 class _Grads:
-    """Full gradients and the largest learning rate just before ``optimizer.step()`` of each step."""
+    """Full gradients and the largest learning rate just before ``optimizer.step()`` of each step
+    from ``at`` on; with ``replay`` (step -> gradients), the step then runs on those instead."""
 
-    def __init__(self, model: nn.Module, opt: Optimizer, at: int) -> None:
-        self.model, self.at, self.step = model, at, 0
-        self.grads: Tensors = {}
+    def __init__(self, model: nn.Module, opt: Optimizer, at: int, replay: dict[int, Tensors] | None) -> None:
+        self.model, self.at, self.step, self.replay = model, at, 0, replay
+        self.grads: dict[int, Tensors] = {}
         self.lrs: dict[int, float] = {}
         opt.register_step_pre_hook(self._hook)
 
     def _hook(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
         self.lrs.setdefault(self.step, max(float(g["lr"]) for g in opt.param_groups))
-        if self.step == self.at and not self.grads:
-            named = self.model.named_parameters()
-            self.grads = {n: _full(p.grad) for n, p in named if p.grad is not None}
+        if self.step < self.at or self.step in self.grads:
+            return
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        self.grads[self.step] = {n: _full(p.grad) for n, p in named}  # type: ignore[arg-type]
+        if self.replay is not None:
+            for n, p in named:
+                g = self.replay[self.step][n].to(p.grad.dtype)  # type: ignore[union-attr]
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
 
 
 def _rank_run(
@@ -209,14 +218,17 @@ def _rank_run(
     save_to: str | None,
     save_at: int,
     last: int,
+    replay: str | None,
 ) -> dict[str, Any] | None:
-    """Train to ``last`` (from a checkpoint when ``load_from``); save at ``last`` when ``save_to``.
-    Rank 0 returns parameters from ``save_at`` on, first resumed gradients, final states."""
+    """Train to ``last`` (from a checkpoint when ``load_from``); save at ``last`` when ``save_to``;
+    step on the gradients saved at ``replay`` when given. Rank 0 returns parameters from ``save_at``
+    on, the gradients of each resumed step, final states."""
     rank, world = dist.get_rank(), dist.get_world_size()
     train_step = resolve(step_ref)
     model, opt, sched = resolve(build_ref)(rank, world)
     first = _load(load_from, model, opt, sched) + 1 if load_from else 1
-    grads = _Grads(model, opt, save_at + 1)
+    replayed = torch.load(replay, weights_only=True) if replay else None  # this check's own file
+    grads = _Grads(model, opt, save_at + 1, replayed)
     params = {save_at: _params(model)} if load_from else {}
     for step in range(first, last + 1):
         grads.step = step
@@ -230,121 +242,3 @@ def _rank_run(
     scheduler = sched.state_dict() if sched is not None else None
     out = {"params": params, "grads": grads.grads, "lrs": grads.lrs, "state": state, "scheduler": scheduler}
     return {**out, "rng": _rng()} if rank == 0 else None
-
-
-# --- judging (in the caller's process) ---------------------------------------------------------
-
-
-def _max_diff(a: Tensors, b: Tensors) -> tuple[float, str]:
-    """The largest |a - b| over every tensor, and its name (inf for a missing or reshaped one)."""
-    worst, where = 0.0, ""
-    for name in sorted(a.keys() | b.keys()):
-        x, y = a.get(name), b.get(name)
-        if x is None or y is None or x.shape != y.shape:
-            return math.inf, name
-        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-        if d > worst or not where:
-            worst, where = d, name
-    return worst, where
-
-
-def _tolerance(profile: str, ref: torch.Tensor, n: int, lr_sum: float, state: bool) -> float:
-    """How far a tensor ``n`` steps after the resume may be from the uninterrupted run's: a few
-    float32 roundings of its scale per step, or a bf16 rounding of each step's update (entries at
-    most ``lr``; optimizer state, which is no update, gets a bf16 rounding of its own scale)."""
-    if profile == "bitwise" or n == 0:
-        return 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    if profile == "first_step_float":
-        return ULPS_PER_STEP * FLOAT32_ULP * scale * n
-    return BF16_ULP * (scale * n if state else lr_sum)
-
-
-def _judge(
-    a: Tensors, b: Tensors, profile: str, n: int, lr_sum: float, state: bool = False
-) -> tuple[bool, float, str]:
-    """(every tensor within the profile, largest diff, its name)."""
-    ok = a.keys() == b.keys()
-    for name, x in a.items():
-        y = b.get(name)
-        if y is None or y.shape != x.shape:
-            return False, math.inf, name
-        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-        ok = ok and d <= _tolerance(profile, x, n, lr_sum, state)
-    return (ok, *_max_diff(a, b))
-
-
-def _per_step(
-    straight: dict[str, Any], resumed: dict[str, Any], profile: str
-) -> tuple[dict[str, Any], float]:
-    """Each step's parameter verdict from the save on, and the summed learning rate since the save."""
-    save_at, lr_sum, per_step = min(straight["params"]), 0.0, {}
-    for step in sorted(straight["params"]):
-        lr_sum += straight["lrs"].get(step, 0.0) if step > save_at else 0.0
-        mine = resumed["params"].get(step, {})
-        ok, d, name = _judge(straight["params"][step], mine, profile, step - save_at, lr_sum)
-        per_step[str(step)] = {"max_diff": d, "tensor": name, "within": ok}
-    return per_step, lr_sum
-
-
-def _compare(
-    straight: dict[str, Any], resumed: dict[str, Any], *, profile: str, world_sizes: tuple[int, int]
-) -> dict[str, Any]:
-    """The report: per-step parameter differences, state differences, verdict and cause."""
-    save_at, last = min(straight["params"]), max(straight["params"])
-    per_step, lr_sum = _per_step(straight, resumed, profile)
-    first_diff = next((int(s) for s, v in per_step.items() if v["max_diff"] > 0), None)
-    first_fail = next((int(s) for s, v in per_step.items() if not v["within"]), None)
-    state = _judge(straight["state"], resumed["state"], profile, last - save_at, lr_sum, state=True)
-    grad_d, grad_name = _max_diff(straight["grads"], resumed["grads"])
-    out: dict[str, Any] = {
-        "profile": profile,
-        "world_sizes": list(world_sizes),
-        "per_step": per_step,
-        "first_difference_step": first_diff,
-        "first_failure_step": first_fail,
-        "optimizer_state": {"max_diff": state[1], "tensor": state[2], "within": state[0]},
-        "first_resumed_grads": {"step": save_at + 1, "max_diff": grad_d, "tensor": grad_name},
-        "scheduler_equal": straight["scheduler"] == resumed["scheduler"],
-        "rng_equal": straight["rng"] == resumed["rng"],
-    }
-    same = out["scheduler_equal"] and out["rng_equal"]
-    out["bitwise"] = first_diff is None and state[1] == 0 and same
-    out["passed"] = first_fail is None and state[0] and same
-    out["cause"] = None if out["bitwise"] else _cause(out, save_at)
-    return out
-
-
-def _cause(out: dict[str, Any], save_at: int) -> str:
-    """Why the resumed run differs, from the first place it does."""
-    before, after = out["world_sizes"]
-    changed = (
-        f"world size changed ({before} -> {after})" if before != after else f"same world size ({before})"
-    )
-    grads, per_step = out["first_resumed_grads"], out["per_step"]
-    if per_step[str(save_at)]["max_diff"] > 0:
-        return "the loaded parameters differ from the saved ones: the checkpoint did not restore the model"
-    if grads["max_diff"] > 0 and before != after:
-        return (
-            f"{changed} and gradients are not micro-batch invariant: the gradient sum order differs. The "
-            f"first resumed step's gradients differ (max |diff| {grads['max_diff']:.3g} in {grads['tensor']}) "
-            "before the optimizer runs. The micro-batch recipe (micro_batches_for, loss_scale, one micro-batch per "
-            "rank at the larger world size) makes them equal"
-        )
-    if grads["max_diff"] > 0:
-        return (
-            f"{changed}, yet the first resumed step's gradients differ (max |diff| {grads['max_diff']:.3g} in "
-            f"{grads['tensor']}): the data position, RNG or model state after loading is not the uninterrupted run's"
-        )
-    if per_step.get(str(save_at + 1), {}).get("max_diff", 0) > 0 or out["optimizer_state"]["max_diff"] > 0:
-        return (
-            f"{changed}; the first resumed step's gradients agree but the optimizer's result differs: its state "
-            "was not restored exactly, or its arithmetic depends on the world size (an option such as ns_split)"
-        )
-    if not out["rng_equal"]:
-        return (
-            "the RNG state at the end differs: the loop draws random numbers the checkpoint did not restore"
-        )
-    if not out["scheduler_equal"]:
-        return "the scheduler state at the end differs: it was not restored or not stepped the same way"
-    return f"{changed}; the runs first differ at step {out['first_difference_step']}, after the first resumed step"
