@@ -160,3 +160,56 @@ def test_plans_are_cached_and_equal_the_search() -> None:
     assert (
         plan_splits(shapes, 8, hw, max_k=1) != first and plan_splits(shapes, 8, hw, max_k=1).split_count == 0
     )
+
+
+def test_split_links_counts_per_node_as_the_pairwise_loop_does() -> None:
+    """``_spread`` (O(ranks) per matrix) against every (source, split rank) pair added one by one."""
+    import random
+
+    from muon_dtensor.planning.links import Links
+    from muon_dtensor.planning.split import _spread
+
+    rng = random.Random(0)
+    n = 24
+    nodes = [r // 8 for r in range(n)]
+    for replicated in (False, True):
+        sizes = [float(rng.randrange(0, 50)) for _ in range(n)]
+        group = rng.sample(range(n), 5)
+        fast = (Links.empty(n), Links.empty(n))
+        _spread(*fast, sizes, group, nodes, replicated)
+        slow = (Links.empty(n), Links.empty(n))
+        for r, nbytes in enumerate(sizes):
+            for g in group:
+                if g != r:
+                    if not replicated:
+                        slow[0].add(r, g, nbytes, nodes)
+                    slow[1].add(g, r, nbytes, nodes)
+        assert fast == slow, replicated
+
+
+def test_gang_balance_picks_what_a_scan_of_every_block_picks() -> None:
+    """The heaps of aligned blocks against the plain rule: the least-loaded rank for one rank, and
+    ``min(starts, key=(largest load in the block, start))`` for a gang of k."""
+    import random
+
+    def scanned(seconds: list[float], ks: list[int], n: int) -> tuple[list[tuple[int, ...]], list[float]]:
+        loads, ranks = [0.0] * n, [()] * len(seconds)
+        for i in sorted(range(len(seconds)), key=lambda j: (-seconds[j] * ks[j], j)):
+            k = ks[i]
+            if k == 1:
+                group: tuple[int, ...] = (min(range(n), key=lambda r: (loads[r], r)),)
+            else:
+                start = min(range(0, n - k + 1, k), key=lambda s: (max(loads[s : s + k]), s))
+                group = tuple(range(start, start + k))
+            begin = max(loads[r] for r in group)
+            for r in group:
+                loads[r] = begin + seconds[i]
+            ranks[i] = group
+        return ranks, loads
+
+    rng = random.Random(1)
+    for _ in range(50):
+        n = rng.choice([8, 16, 24])
+        seconds = [float(rng.randrange(1, 20)) for _ in range(rng.randrange(1, 40))]
+        ks = [rng.choice([1, 1, 2, 4, 8]) for _ in seconds]
+        assert _gang_balance(seconds, ks, n) == scanned(seconds, ks, n)

@@ -6,31 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..sharding.plan.blocks import Block, block_numel
+from ..sharding.plan.blocks import block_numels
 from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
 from .hardware import Hardware
 
 __all__ = ["Links", "back_links", "block_numels", "pipeline_seconds", "to_owner_links"]
-
-# block_numels' memo: id of a blocks tuple -> (the tuple, kept alive so the id stays its own; numels)
-_NUMELS: dict[int, tuple[tuple[Block, ...], tuple[int, ...]]] = {}
-_NUMELS_MAX = 4096
-
-
-def block_numels(blocks: Sequence[Block]) -> tuple[int, ...]:
-    """``block_numel`` of each rank's block. A tuple's are counted once: the plans of equal shapes
-    share one blocks tuple (``plans.sharded_plan``), and a 1,024-rank prediction reads every
-    matrix's sizes several times (its phases, both exchanges, the splits)."""
-    if not isinstance(blocks, tuple):
-        return tuple(block_numel(b) for b in blocks)
-    hit = _NUMELS.get(id(blocks))
-    if hit is not None and hit[0] is blocks:
-        return hit[1]
-    numels = tuple(block_numel(b) for b in blocks)
-    if len(_NUMELS) >= _NUMELS_MAX:
-        _NUMELS.clear()
-    _NUMELS[id(blocks)] = (blocks, numels)
-    return numels
 
 
 @dataclass
@@ -103,10 +83,34 @@ def to_owner_links(
         if owner == EVERYONE:
             _gather(links, entry, size, nodes)
             continue
-        for r in range(plan.group_size):
-            if r != owner and entry.feeds(r, owner):
-                links.add(r, owner, size[r], nodes)
+        sources = [r for r in range(plan.group_size) if r != owner and entry.feeds(r, owner)]
+        _one_end(links, owner, sources, size, nodes, to_owner=True)
     return links
+
+
+def _one_end(
+    links: Links, end: int, others: Sequence[int], size: Sequence[float], nodes: Sequence[int], to_owner: bool
+) -> None:
+    """``links.add`` between ``end`` and each of ``others`` (``size[r]`` bytes; to ``end``, or from
+    it), without a call per pair: a 1,024-rank prediction adds a few million."""
+    home = nodes[end]
+    sends_a, sends_e = (
+        (links.send_intra, links.send_inter) if to_owner else (links.recv_intra, links.recv_inter)
+    )
+    near = far = 0.0
+    for r in others:
+        if nodes[r] == home:
+            sends_a[r] += size[r]
+            near += size[r]
+        else:
+            sends_e[r] += size[r]
+            far += size[r]
+    if to_owner:
+        links.recv_intra[end] += near
+        links.recv_inter[end] += far
+    else:
+        links.send_intra[end] += near
+        links.send_inter[end] += far
 
 
 def back_links(
@@ -117,9 +121,8 @@ def back_links(
     for member, owner in zip(members, owners, strict=True):
         if owner == EVERYONE:
             continue
-        for r, numel in enumerate(block_numels(plan.entries[member].blocks)):
-            if r != owner:
-                links.add(owner, r, numel * itemsize, nodes)
+        size = [numel * itemsize for numel in block_numels(plan.entries[member].blocks)]
+        _one_end(links, owner, [r for r in range(plan.group_size) if r != owner], size, nodes, to_owner=False)
     return links
 
 

@@ -119,9 +119,11 @@ def _gang_balance(
     seconds: Sequence[float], ks: Sequence[int], n: int
 ) -> tuple[list[tuple[int, ...]], list[float]]:
     """LPT with gangs (module docstring): the ranks of each task and every rank's load. A heap of
-    (load, rank) finds the least-loaded rank; entries a gang made stale are skipped."""
+    (load, rank) finds the least-loaded rank, and one heap of (block's largest load, start) per gang
+    size the least-loaded aligned block; entries a later assignment made stale are skipped."""
     loads = [0.0] * n
     heap = [(0.0, r) for r in range(n)]
+    blocks = {k: _Blocks(k, n) for k in set(ks) if k > 1}
     ranks: list[tuple[int, ...]] = [()] * len(seconds)
     for i in sorted(range(len(seconds)), key=lambda j: (-seconds[j] * ks[j], j)):
         k = ks[i]
@@ -130,14 +132,38 @@ def _gang_balance(
                 heapq.heappop(heap)
             group: tuple[int, ...] = (heap[0][1],)
         else:
-            start = min(range(0, n - k + 1, k), key=lambda s: (max(loads[s : s + k]), s))
+            start = blocks[k].least(loads)
             group = tuple(range(start, start + k))
         begin = max(loads[r] for r in group)
         for r in group:
             loads[r] = begin + seconds[i]
             heapq.heappush(heap, (loads[r], r))
+        for b in blocks.values():
+            b.changed(group, loads)
         ranks[i] = group
     return ranks, loads
+
+
+class _Blocks:
+    """The aligned blocks of ``k`` ranks (starts 0, k, 2k, ...) in a heap by (largest load, start):
+    the block ``min(starts, key=(max load, start))`` picks, without a scan over every rank."""
+
+    def __init__(self, k: int, n: int) -> None:
+        self.k, self.heap = k, [(0.0, s) for s in range(0, n - k + 1, k)]
+        self.n_blocks = len(self.heap)
+
+    def _top(self, start: int, loads: Sequence[float]) -> float:
+        return max(loads[start : start + self.k])
+
+    def least(self, loads: Sequence[float]) -> int:
+        while self.heap[0][0] != self._top(self.heap[0][1], loads):
+            heapq.heappop(self.heap)
+        return self.heap[0][1]
+
+    def changed(self, group: Sequence[int], loads: Sequence[float]) -> None:
+        for start in {(r // self.k) * self.k for r in group}:
+            if start // self.k < self.n_blocks:
+                heapq.heappush(self.heap, (self._top(start, loads), start))
 
 
 def _choose_k(whole: float, by_k: dict[int, float], mean: float) -> int:
@@ -284,8 +310,11 @@ def split_links(
     for i in members:
         entry, group = plan.entries[i], splits.ranks[i]
         share = 1.0 / len(group)
-        for r, numel in enumerate(block_numels(entry.blocks)):
-            nbytes = numel * itemsize * share
+        sizes = [numel * itemsize * share for numel in block_numels(entry.blocks)]
+        if entry.replica_of is None:
+            _spread(to_owners, back, sizes, group, nodes, entry.replicated)
+            continue
+        for r, nbytes in enumerate(sizes):
             for g in group:
                 if g == r:
                     continue
@@ -293,6 +322,40 @@ def split_links(
                     to_owners.add(r, g, nbytes, nodes)
                 back.add(g, r, nbytes, nodes)
     return to_owners, back
+
+
+def _spread(
+    to_owners: Links,
+    back: Links,
+    sizes: list[float],
+    group: Sequence[int],
+    nodes: Sequence[int],
+    replicated: bool,
+) -> None:
+    """``split_links``' traffic of one matrix of one replica in O(ranks), not O(ranks x k): every
+    rank r sends its share to each g of the group but itself and gets it back, counted per node."""
+    per_node: dict[int, float] = {}
+    for r, nbytes in enumerate(sizes):
+        per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + nbytes
+    in_group: dict[int, int] = {}
+    for g in group:
+        in_group[nodes[g]] = in_group.get(nodes[g], 0) + 1
+    members, total, k = set(group), sum(sizes), len(group)
+    for r, nbytes in enumerate(sizes):
+        here = in_group.get(nodes[r], 0)
+        same, other = here - (r in members), k - here
+        if not replicated:
+            to_owners.send_intra[r] += nbytes * same
+            to_owners.send_inter[r] += nbytes * other
+        back.recv_intra[r] += nbytes * same
+        back.recv_inter[r] += nbytes * other
+    for g in group:
+        same_sum, other_sum = per_node[nodes[g]] - sizes[g], total - per_node[nodes[g]]
+        if not replicated:
+            to_owners.recv_intra[g] += same_sum
+            to_owners.recv_inter[g] += other_sum
+        back.send_intra[g] += same_sum
+        back.send_inter[g] += other_sum
 
 
 def split_exchange_seconds(

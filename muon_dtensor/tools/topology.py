@@ -60,6 +60,7 @@ class Check:
     peak: tuple[int, ...]
     step_ms: float
     owners: str
+    shapes: tuple[Any, ...] = ()  # the cost model's input, for the ns_split="auto" variant
 
     @property
     def imbalance(self) -> float:
@@ -127,7 +128,7 @@ def check(
     momentum, moments, peak = _per_rank(gpus, sizes, params, domains, plans, adamw)
     return Check(
         len(shapes), sum(p.numel() for _, p in muon), sum(_numel(s) for s in adamw), tuple(plans.values()),
-        momentum, moments, peak, pred.total * 1e3, pred.owners,
+        momentum, moments, peak, pred.total * 1e3, pred.owners, tuple(shapes),
     )  # fmt: skip
 
 
@@ -264,18 +265,19 @@ def _head_dim(args: argparse.Namespace, config: Mapping[str, Any]) -> tuple[int 
     return config.get("head_dim") or None, "the config's head_dim"
 
 
-def _split_ms(args: argparse.Namespace, config: Mapping[str, Any]) -> float:
+def _split_ms(args: argparse.Namespace, found: Check) -> float:
     """The modelled step with ``ns_split="auto"`` for the checked model and layout."""
-    muon, heads, _ = _split(meta_model(config), _head_dim(args, config)[0])
-    shapes, shard, hw = _shapes(muon, heads), args.gpus // args.hsdp, Hardware.h200()
-    return predict(shapes, shard, hw, replicas=args.hsdp, owners=args.owners, split=True).total * 1e3
+    shard, hw = args.gpus // args.hsdp, Hardware.h200()
+    return (
+        predict(list(found.shapes), shard, hw, replicas=args.hsdp, owners=args.owners, split=True).total * 1e3
+    )
 
 
 def _suggestion(args: argparse.Namespace, config: Mapping[str, Any], found: Check) -> list[str]:
     """The modelled step with ns_split="auto" when asked for, or a suggestion when owners are unbalanced."""
     if args.ns_split != "auto" and found.imbalance <= IMBALANCE_HINT:
         return []
-    split_ms = _split_ms(args, config)
+    split_ms = _split_ms(args, found)
     change = f"{found.step_ms:.1f} ms -> {split_ms:.1f} ms"
     if args.ns_split == "auto":
         return [f'with ns_split="auto" (--ns-split auto): modelled step {change}']

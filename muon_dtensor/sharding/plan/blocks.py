@@ -9,6 +9,7 @@ is identical on every rank and testable without a process group.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ __all__ = [
     "Block",
     "Interval",
     "block_numel",
+    "block_numels",
     "block_shape",
     "full_block",
     "mesh_blocks",
@@ -53,6 +55,27 @@ def block_shape(block: Block) -> tuple[int, ...]:
 
 def block_numel(block: Block) -> int:
     return math.prod(block_shape(block))
+
+
+# block_numels' memo: id of a blocks tuple -> (the tuple, kept alive so the id stays its own; numels)
+_NUMELS: dict[int, tuple[tuple[Block, ...], tuple[int, ...]]] = {}
+_NUMELS_MAX = 4096
+
+
+def block_numels(blocks: Sequence[Block]) -> tuple[int, ...]:
+    """``block_numel`` of each rank's block. A tuple's are counted once: matrices of one layout share
+    one blocks tuple (``shard_blocks`` and ``mesh_blocks`` are cached), and a 1,024-rank plan reads
+    every matrix's sizes many times (each rank's memory, the phases, both exchanges, the splits)."""
+    if not isinstance(blocks, tuple):
+        return tuple(block_numel(b) for b in blocks)
+    hit = _NUMELS.get(id(blocks))
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    numels = tuple(block_numel(b) for b in blocks)
+    if len(_NUMELS) >= _NUMELS_MAX:
+        _NUMELS.clear()
+    _NUMELS[id(blocks)] = (blocks, numels)
+    return numels
 
 
 def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[Interval, ...]:
@@ -106,6 +129,13 @@ def shard_blocks(shape: Sequence[int], shards: Sequence[AxisShard]) -> tuple[Blo
     ``shards`` lists the sharded mesh axes in mesh order; DTensor applies them in that order, each
     splitting what the previous ones left (so ``(Shard(0), Shard(0))`` nests).
     """
+    return _shard_blocks(tuple(int(s) for s in shape), tuple(shards))
+
+
+# A model's matrices share a few layouts: one (immutable) blocks tuple per layout, so plans of many
+# parameters compute each once and share it (per-entry tables then dedup by identity).
+@functools.lru_cache(maxsize=1024)
+def _shard_blocks(shape: tuple[int, ...], shards: tuple[AxisShard, ...]) -> tuple[Block, ...]:
     sizes = [s.size for s in shards]
     blocks: list[Block] = []
     for flat in range(math.prod(sizes)):
@@ -123,6 +153,13 @@ def mesh_blocks(
     """The block of every rank of the whole mesh (row-major over all its axes), and the replica each
     rank belongs to: the row-major index of its coordinates on the axes that do not shard (Replicate).
     The ranks of one replica hold every element once; replicas hold equal blocks."""
+    return _mesh_blocks(tuple(int(s) for s in shape), tuple(int(m) for m in mesh_shape), tuple(shards))
+
+
+@functools.lru_cache(maxsize=1024)
+def _mesh_blocks(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], shards: tuple[AxisShard, ...]
+) -> tuple[tuple[Block, ...], tuple[int, ...]]:
     sharded = [s.axis for s in shards]
     blocks = shard_blocks(shape, shards)
     out: list[Block] = []

@@ -14,6 +14,7 @@ default is ``DEFAULT_ROUND_BYTES``; ``None`` makes the step one round.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,22 @@ EVERYONE = -1
 DEFAULT_ROUND_BYTES = 4 << 20
 
 
+@functools.lru_cache(maxsize=4096)  # a model's matrices share a few layouts: hashing is O(ranks) in C
+def _holders(
+    shape: tuple[int, int], blocks: tuple[Block, ...], replicated: bool, replica_of: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    numel = shape[0] * shape[1]
+    full = tuple(r for r, b in enumerate(blocks) if block_numel(b) == numel)
+    replicas = len(set(replica_of)) if replica_of is not None else 1
+    if replicated or len(full) != replicas:
+        return ()
+    if replicas > 1 and replica_of is not None and len({replica_of[r] for r in full}) != len(full):
+        return ()
+    if any(block_numel(b) for r, b in enumerate(blocks) if r not in full):
+        return ()
+    return full
+
+
 @dataclass(frozen=True)
 class MatrixEntry:
     """One matrix to orthogonalize: its global shape and the block each group rank holds."""
@@ -75,18 +92,7 @@ class MatrixEntry:
     def holders(self) -> tuple[int, ...]:
         """The ranks that hold this matrix whole, one per replica, while the others hold nothing
         (an expert of an expert-parallel stack), or (). Its owner is one of them."""
-        numel = self.shape[0] * self.shape[1]
-        full = tuple(r for r, b in enumerate(self.blocks) if block_numel(b) == numel)
-        replicas = len(set(self.replica_of)) if self.replica_of is not None else 1
-        if self.replicated or len(full) != replicas or (replicas > 1 and not self._one_per_replica(full)):
-            return ()
-        if any(block_numel(b) for r, b in enumerate(self.blocks) if r not in full):
-            return ()
-        return full
-
-    def _one_per_replica(self, ranks: tuple[int, ...]) -> bool:
-        assert self.replica_of is not None
-        return len({self.replica_of[r] for r in ranks}) == len(ranks)
+        return _holders(self.shape, self.blocks, self.replicated, self.replica_of)
 
     @property
     def holder(self) -> int | None:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .blocks import block_numel
+from .blocks import block_numels
 from .build import EVERYONE, MatrixEntry, Plan
 
 __all__ = [
@@ -97,10 +97,7 @@ def _numels(plan: Plan) -> list[tuple[int, ...]]:
     cached = _NUMELS.get(id(plan))
     if cached is not None and cached[0] is plan:
         return cached[1]
-    by_blocks: dict[int, tuple[int, ...]] = {}
-    table = [
-        by_blocks.setdefault(id(e.blocks), tuple(block_numel(b) for b in e.blocks)) for e in plan.entries
-    ]
+    table = [block_numels(e.blocks) for e in plan.entries]
     if len(_NUMELS) >= 16:  # a few plans at a time: callers walk one model's ranks
         _NUMELS.clear()
     _NUMELS[id(plan)] = (plan, table)
