@@ -1,9 +1,11 @@
 """A rank killed in the middle of a step: the survivor raises within a bounded time, and a relaunch
 resumes exactly from the last complete checkpoint.
 
-Fresh processes (the launcher's, not the pool): rank 1 SIGKILLs itself inside the step's first
-all-to-all, after rank 0 has entered it. Under gloo the survivor sees the closed connection and
-raises; the bound in general is the process group's timeout (docs/unsupported.md).
+The failing run is fresh processes (the launcher's, not the pool): rank 1 SIGKILLs itself inside
+the step's first all-to-all, after rank 0 has entered it. Under gloo the survivor sees the closed
+connection and raises; the bound in general is the process group's timeout (docs/unsupported.md).
+The relaunch runs on the session's pooled ranks (tests/ranks.py): processes that took no part in
+the failed run, as a relaunch's are, without the seconds of a fresh start.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import muon_dtensor.sharding.runtime.exchange as exchange
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from muon_dtensor.tools.testing import RankError, run_ranks
+from tests import ranks
 from tests.models import dt
 
 SAVED, TOTAL = 2, 5
@@ -108,5 +111,5 @@ def test_survivor_raises_in_bounded_time_and_relaunch_resumes_exactly(tmp_path: 
     assert outcome["seconds"] < BOUND_S, outcome
     assert time.monotonic() - started < BOUND_S + 30
     assert [p.name for p in root.iterdir() if p.name.startswith("step_")] == ["step_00000002"]
-    for rank, bad in enumerate(run_ranks(resumed_and_straight, 2, str(root), timeout=120)):
+    for rank, bad in enumerate(ranks.run_ranks(resumed_and_straight, 2, str(root), timeout=120)):
         assert bad == [], f"rank {rank}: {bad}"
