@@ -1,10 +1,15 @@
 """A rank that raises inside a step and stays alive releases its peers: they raise within a bounded
 time instead of waiting in the step's collectives for the process group's timeout.
 
-Fresh processes (the launcher's, not the pool): the failure is recorded in the job's store for the
-rest of the job. Rank 1's ``orthogonalize_fn`` raises in the second step, while the other ranks
-wait for its blocks in the exchange; rank 1 catches its error and stays alive until every peer has
+Rank 1's ``orthogonalize_fn`` raises in the second step, while the other ranks wait for its
+blocks in the exchange; rank 1 catches its error and stays alive until every peer has
 reported (or a deadline), as a rank whose training loop logs an error and lingers would.
+
+The failure is recorded in the job's store for the rest of the job. On 3 ranks the check runs on the
+session's pool (tests/ranks.py), which retires a pool after such a failure: the 3-rank pool that
+test_one_rank_differs started is reused, not started again. On 4 ranks it runs in fresh processes
+(the launcher's, ``muon_dtensor.tools.testing.run_ranks``, tested here too): retiring the 4-rank
+pool would only make the next 4-rank test start another.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.tools import testing
+from tests import ranks
 from tests.models import dt
 
 BOUND_S = 20.0  # what the peers may take; they raise about one polling interval after the failure
@@ -52,6 +58,7 @@ def _step(opt: Muon, params: list[nn.Parameter], seed: int) -> None:
 
 def one_rank_raises(folder: str, failing_rank: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    _FAIL.update(now=False, calls=0)  # a pooled worker may have run this before
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
     params = [
@@ -80,6 +87,7 @@ def one_rank_raises(folder: str, failing_rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [3, 4])
 def test_peers_of_a_raising_rank_raise_in_bounded_time(tmp_path: Path, world: int) -> None:
     started = time.monotonic()
+    run_ranks = ranks.run_ranks if world == 3 else testing.run_ranks
     outcomes = run_ranks(one_rank_raises, world, str(tmp_path), 1, timeout=LINGER_S + 60)
     assert outcomes[1]["error"] == "Injected" and outcomes[1]["calls"] == 1, outcomes[1]
     for rank, outcome in enumerate(outcomes):
