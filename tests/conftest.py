@@ -41,6 +41,14 @@ DEMOS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in the session's own process, as every rank has (tests/ranks.py,
+    ``tools.testing``): the tests' matrices are small, and the process shares the cores with the rank
+    pools, the background demo runs and subprocesses, where a second BLAS thread mostly waits for a
+    core (test_gap_to_torch_optim_muon took 115 s on 2 busy cores with two threads, 2.7 s with one)."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pools() -> Iterator[None]:
     yield
