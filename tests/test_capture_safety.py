@@ -53,7 +53,7 @@ def steady_steps(world: int) -> dict[str, Any]:
             opt.step()
             continue
         mode = Allocations()
-        device = [local_of(t) for p in model.parameters() for t in (p, p.grad)]
+        device = [local_of(t) for p in model.parameters() for t in (p, p.grad) if t is not None]
         device += [local_of(v) for p in model.parameters() for k, v in opt.state[p].items() if k != "step"]
         watch = SyncWatch(device)
         with mode, watch:

@@ -193,7 +193,8 @@ def test_gang_balance_picks_what_a_scan_of_every_block_picks() -> None:
     import random
 
     def scanned(seconds: list[float], ks: list[int], n: int) -> tuple[list[tuple[int, ...]], list[float]]:
-        loads, ranks = [0.0] * n, [()] * len(seconds)
+        loads = [0.0] * n
+        ranks: list[tuple[int, ...]] = [()] * len(seconds)
         for i in sorted(range(len(seconds)), key=lambda j: (-seconds[j] * ks[j], j)):
             k = ks[i]
             if k == 1:
