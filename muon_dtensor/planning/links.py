@@ -10,7 +10,7 @@ from ..sharding.plan.blocks import block_numels
 from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
 from .hardware import Hardware
 
-__all__ = ["Links", "back_links", "block_numels", "pipeline_seconds", "to_owner_links"]
+__all__ = ["Links", "back_links", "block_numels", "owned", "pipeline_seconds", "to_owner_links"]
 
 
 @dataclass
@@ -75,6 +75,7 @@ def to_owner_links(
     """Traffic of one round's all-to-all to the owners (gather mode: to everyone). A replicated
     matrix stays put (its owner holds it); with replicas, an owner reads its own replica's blocks."""
     links = Links.empty(plan.group_size)
+    alike: dict[int, tuple[list[int], list[int]]] = {}  # blocks tuple -> (sizes in bytes, owners)
     for member, owner in zip(members, owners, strict=True):
         entry = plan.entries[member]
         if entry.replicated:
@@ -82,35 +83,42 @@ def to_owner_links(
         size = [numel * itemsize for numel in block_numels(entry.blocks)]
         if owner == EVERYONE:
             _gather(links, entry, size, nodes)
-            continue
-        sources = [r for r in range(plan.group_size) if r != owner and entry.feeds(r, owner)]
-        _one_end(links, owner, sources, size, nodes, to_owner=True)
+        elif entry.replica_of is None:
+            alike.setdefault(id(entry.blocks), (size, []))[1].append(owner)
+        else:
+            for r in range(plan.group_size):
+                if r != owner and entry.feeds(r, owner):
+                    links.add(r, owner, size[r], nodes)
+    for sizes, ends in alike.values():
+        owned(links, sizes, ends, nodes, to_owner=True)
     return links
 
 
-def _one_end(
-    links: Links, end: int, others: Sequence[int], size: Sequence[float], nodes: Sequence[int], to_owner: bool
+def owned(
+    links: Links, size: Sequence[float], ends: Sequence[int], nodes: Sequence[int], to_owner: bool
 ) -> None:
-    """``links.add`` between ``end`` and each of ``others`` (``size[r]`` bytes; to ``end``, or from
-    it), without a call per pair: a 1,024-rank prediction adds a few million."""
-    home = nodes[end]
-    sends_a, sends_e = (
-        (links.send_intra, links.send_inter) if to_owner else (links.recv_intra, links.recv_inter)
-    )
-    near = far = 0.0
-    for r in others:
-        if nodes[r] == home:
-            sends_a[r] += size[r]
-            near += size[r]
-        else:
-            sends_e[r] += size[r]
-            far += size[r]
-    if to_owner:
-        links.recv_intra[end] += near
-        links.recv_inter[end] += far
-    else:
-        links.send_intra[end] += near
-        links.send_inter[end] += far
+    """``links.add`` between each rank r and each of ``ends`` but itself, ``size[r]`` bytes each
+    (to the end, or from it), counted per node: O(ranks + ends) per call, where a call per pair
+    made a 1,024-rank prediction add millions."""
+    per_node: dict[int, float] = {}
+    for r, nbytes in enumerate(size):
+        per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + nbytes
+    on_node: dict[int, int] = {}
+    mine: dict[int, int] = {}
+    for e in ends:
+        on_node[nodes[e]] = on_node.get(nodes[e], 0) + 1
+        mine[e] = mine.get(e, 0) + 1
+    near, far = (links.send_intra, links.send_inter) if to_owner else (links.recv_intra, links.recv_inter)
+    for r, nbytes in enumerate(size):
+        if nbytes:
+            here = on_node.get(nodes[r], 0)
+            near[r] += nbytes * (here - mine.get(r, 0))
+            far[r] += nbytes * (len(ends) - here)
+    near, far = (links.recv_intra, links.recv_inter) if to_owner else (links.send_intra, links.send_inter)
+    total = sum(size)
+    for e in ends:
+        near[e] += per_node[nodes[e]] - size[e]
+        far[e] += total - per_node[nodes[e]]
 
 
 def back_links(
@@ -118,11 +126,14 @@ def back_links(
 ) -> Links:
     """Traffic of one round's all-to-all back: each owner sends every other rank its block."""
     links = Links.empty(plan.group_size)
+    alike: dict[int, tuple[list[int], list[int]]] = {}
     for member, owner in zip(members, owners, strict=True):
-        if owner == EVERYONE:
-            continue
-        size = [numel * itemsize for numel in block_numels(plan.entries[member].blocks)]
-        _one_end(links, owner, [r for r in range(plan.group_size) if r != owner], size, nodes, to_owner=False)
+        if owner != EVERYONE:
+            blocks = plan.entries[member].blocks
+            size = [numel * itemsize for numel in block_numels(blocks)]
+            alike.setdefault(id(blocks), (size, []))[1].append(owner)
+    for size, ends in alike.values():
+        owned(links, size, ends, nodes, to_owner=False)
     return links
 
 

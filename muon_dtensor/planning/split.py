@@ -38,7 +38,7 @@ from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonali
 from ..numerics.split_ns import split_flops
 from ..sharding.plan.build import Plan
 from .hardware import Hardware
-from .links import Links, block_numels, pipeline_seconds
+from .links import Links, block_numels, owned, pipeline_seconds
 from .memo import once
 
 __all__ = [
@@ -332,30 +332,11 @@ def _spread(
     nodes: Sequence[int],
     replicated: bool,
 ) -> None:
-    """``split_links``' traffic of one matrix of one replica in O(ranks), not O(ranks x k): every
-    rank r sends its share to each g of the group but itself and gets it back, counted per node."""
-    per_node: dict[int, float] = {}
-    for r, nbytes in enumerate(sizes):
-        per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + nbytes
-    in_group: dict[int, int] = {}
-    for g in group:
-        in_group[nodes[g]] = in_group.get(nodes[g], 0) + 1
-    members, total, k = set(group), sum(sizes), len(group)
-    for r, nbytes in enumerate(sizes):
-        here = in_group.get(nodes[r], 0)
-        same, other = here - (r in members), k - here
-        if not replicated:
-            to_owners.send_intra[r] += nbytes * same
-            to_owners.send_inter[r] += nbytes * other
-        back.recv_intra[r] += nbytes * same
-        back.recv_inter[r] += nbytes * other
-    for g in group:
-        same_sum, other_sum = per_node[nodes[g]] - sizes[g], total - per_node[nodes[g]]
-        if not replicated:
-            to_owners.recv_intra[g] += same_sum
-            to_owners.recv_inter[g] += other_sum
-        back.send_intra[g] += same_sum
-        back.send_inter[g] += other_sum
+    """``split_links``' traffic of one matrix of one replica: every rank sends its share to each rank
+    of the group but itself (none for a replicated matrix) and gets it back."""
+    if not replicated:
+        owned(to_owners, sizes, group, nodes, to_owner=True)
+    owned(back, sizes, group, nodes, to_owner=False)
 
 
 def split_exchange_seconds(

@@ -110,7 +110,20 @@ class Round:
     owners: tuple[int, ...]  # owner group rank per member, or EVERYONE
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
-        return tuple(m for m, o in zip(self.members, self.owners) if o in (rank, EVERYONE))
+        """The members ``rank`` computes, in member order (every member, for EVERYONE's)."""
+        by_owner = self._by_owner
+        if by_owner is None:
+            return tuple(m for m, o in zip(self.members, self.owners) if o in (rank, EVERYONE))
+        return by_owner.get(rank, ())
+
+    @cached_property  # costmodel asks every rank of a 1,024-rank round: one pass, not one per rank
+    def _by_owner(self) -> dict[int, tuple[int, ...]] | None:
+        if EVERYONE in self.owners:
+            return None
+        out: dict[int, list[int]] = {}
+        for m, o in zip(self.members, self.owners):
+            out.setdefault(o, []).append(m)
+        return {o: tuple(ms) for o, ms in out.items()}
 
 
 @dataclass(frozen=True)
