@@ -1,7 +1,8 @@
 """What the checkpoint helpers promise holds for pipeline stages too (2 stages x 2 FSDP2 shards on 4
-ranks, ``tests.stage_layouts``): ``keep_last``, weights-only and fresh loads, a damaged or missing
-shard of one stage named on every rank with nothing loaded, a full disk on one stage's rank and a
-stage rank that dies mid-save raising on every rank with nothing published."""
+ranks, ``tests.stage_layouts``): sync and async saves with ``keep_last``, weights-only and fresh
+loads, a damaged or missing shard of one stage named on every rank with nothing loaded, a full disk
+on one stage's rank and a stage rank that dies mid-save raising on every rank with nothing
+published."""
 
 from __future__ import annotations
 
@@ -83,7 +84,10 @@ def promises(root_name: str) -> dict[str, Any]:
     model, opt = build("stages", seed=0)
     for step in (1, 2, 3):
         train(model, opt, range(step - 1, step))
-        ckpt.save_checkpoint(root, step, model, opt, keep_last=2)
+        if step == 2:  # an async save of the stages, published by wait()
+            ckpt.async_save_checkpoint(root, step, model, opt, keep_last=2).wait()
+        else:
+            ckpt.save_checkpoint(root, step, model, opt, keep_last=2)
     out: dict[str, Any] = {"kept": ckpt.complete_steps(root)}
     saved = snapshot(model, opt)
     weights = {k: v for k, v in saved.items() if ":" not in k}
