@@ -1,13 +1,41 @@
-"""muon_dtensor: the Muon optimizer for plain tensors and DTensors (FSDP2, HSDP), exact and sharded."""
+"""muon_dtensor: the Muon optimizer for plain tensors and DTensors (FSDP2, HSDP), exact and sharded.
+
+The public names load on first use (PEP 562), so ``python -m muon_dtensor plan`` imports torch and
+the planning modules only, not torch.distributed.tensor and the step's layers (a second off the check).
+"""
 
 from __future__ import annotations
 
-from .checks.validation import resolve_ns_config
-from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
-from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
-from .optim.optimizer import ADAMW_DEFAULTS, Muon
-from .optim.param_groups import split_params
-from .sharding.plan.build import MatrixEntry, Plan, build_plan
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checks.validation import resolve_ns_config
+    from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
+    from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
+    from .optim.optimizer import ADAMW_DEFAULTS, Muon
+    from .optim.param_groups import split_params
+    from .sharding.plan.build import MatrixEntry, Plan, build_plan
+
+# public name -> the module that defines it
+_WHERE = {
+    "resolve_ns_config": ".checks.validation",
+    "QKClipFactors": ".features.qk_clip",
+    "qk_clip_": ".features.qk_clip",
+    "qk_clip_all_": ".features.qk_clip",
+    "qk_clip_factors": ".features.qk_clip",
+    "DEFAULT_COEFFICIENTS": ".numerics.newton_schulz",
+    "PRESETS": ".numerics.newton_schulz",
+    "NSConfig": ".numerics.newton_schulz",
+    "newton_schulz": ".numerics.newton_schulz",
+    "orthogonalize": ".numerics.newton_schulz",
+    "ADAMW_DEFAULTS": ".optim.optimizer",
+    "Muon": ".optim.optimizer",
+    "split_params": ".optim.param_groups",
+    "MatrixEntry": ".sharding.plan.build",
+    "Plan": ".sharding.plan.build",
+    "build_plan": ".sharding.plan.build",
+}
 
 __all__ = [
     "ADAMW_DEFAULTS",
@@ -27,6 +55,19 @@ __all__ = [
     "resolve_ns_config",
     "split_params",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).
 __version__ = "0.3.0"

@@ -168,7 +168,9 @@ def _default_problems(entry: Entry, doc: ast.expr | None, actual: Any, name: str
     if doc is None or actual is empty:
         shown = "no default" if doc is None else f"default {ast.unparse(doc)}"
         return [f"{name}: documented with {shown}, the code's default is {actual!r}"]
-    namespace = {"torch": torch, **vars(importlib.import_module(entry.module))}
+    module = importlib.import_module(entry.module)
+    exported = {name: getattr(module, name) for name in getattr(module, "__all__", ())}  # loads lazy ones
+    namespace = {"torch": torch, **vars(module), **exported}
     value = eval(compile(ast.Expression(doc), str(API), "eval"), namespace)  # noqa: S307
     if type(value) is not type(actual) or value != actual:
         return [f"{name}: documented default {ast.unparse(doc)} = {value!r}, the code's is {actual!r}"]

@@ -101,19 +101,18 @@ def owned(
     (to the end, or from it), counted per node: O(ranks + ends) per call, where a call per pair
     made a 1,024-rank prediction add millions."""
     per_node: dict[int, float] = {}
-    for r, nbytes in enumerate(size):
-        per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + nbytes
+    for node, nbytes in zip(nodes, size):
+        per_node[node] = per_node.get(node, 0.0) + nbytes
     on_node: dict[int, int] = {}
     mine: dict[int, int] = {}
     for e in ends:
         on_node[nodes[e]] = on_node.get(nodes[e], 0) + 1
         mine[e] = mine.get(e, 0) + 1
+    here = [on_node.get(node, 0) for node in nodes[: len(size)]]
+    k = len(ends)
     near, far = (links.send_intra, links.send_inter) if to_owner else (links.recv_intra, links.recv_inter)
-    for r, nbytes in enumerate(size):
-        if nbytes:
-            here = on_node.get(nodes[r], 0)
-            near[r] += nbytes * (here - mine.get(r, 0))
-            far[r] += nbytes * (len(ends) - here)
+    near[:] = [a + b * (h - mine.get(r, 0)) if b else a for r, (a, b, h) in enumerate(zip(near, size, here))]
+    far[:] = [a + b * (k - h) if b else a for a, b, h in zip(far, size, here)]
     near, far = (links.recv_intra, links.recv_inter) if to_owner else (links.send_intra, links.send_inter)
     total = sum(size)
     for e in ends:

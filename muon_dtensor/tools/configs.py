@@ -14,6 +14,10 @@ from torch import nn
 
 from ..planning.inputs import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH
 
+# Modules are built on meta by argument, and the embedding from an empty weight: its normal_ init on
+# meta goes through torch._refs, whose first use imports dynamo (about 800 modules, 1.5 s).
+META = torch.device("meta")
+
 __all__ = ["PRESETS", "load_config", "meta_model", "muon_matrices", "validate_config"]
 
 # Hugging Face config.json fields of the Llama 3 presets (Meta's params.json, as in planning.shapes).
@@ -143,10 +147,10 @@ class _Layer(nn.Module):
         kv = (config.get("num_key_value_heads") or heads) * head_dim
         self.self_attn = nn.ModuleDict(
             {
-                "q_proj": nn.Linear(hidden, heads * head_dim, bias=False),
-                "k_proj": nn.Linear(hidden, kv, bias=False),
-                "v_proj": nn.Linear(hidden, kv, bias=False),
-                "o_proj": nn.Linear(heads * head_dim, hidden, bias=False),
+                "q_proj": nn.Linear(hidden, heads * head_dim, bias=False, device=META),
+                "k_proj": nn.Linear(hidden, kv, bias=False, device=META),
+                "v_proj": nn.Linear(hidden, kv, bias=False, device=META),
+                "o_proj": nn.Linear(heads * head_dim, hidden, bias=False, device=META),
             }
         )
         experts = next((config[k] for k in EXPERT_KEYS if config.get(k)), 0)
@@ -155,32 +159,32 @@ class _Layer(nn.Module):
         if experts:  # a router and stacks of experts ([E, out, in], as torchtitan's grouped experts)
             self.mlp = nn.ParameterDict(
                 {
-                    "gate_up_experts": nn.Parameter(torch.empty(experts, 2 * ffn, hidden)),
-                    "down_experts": nn.Parameter(torch.empty(experts, hidden, ffn)),
+                    "gate_up_experts": nn.Parameter(torch.empty(experts, 2 * ffn, hidden, device=META)),
+                    "down_experts": nn.Parameter(torch.empty(experts, hidden, ffn, device=META)),
                 }
             )
-            self.router = nn.Linear(hidden, experts, bias=False)
+            self.router = nn.Linear(hidden, experts, bias=False, device=META)
         else:
             self.mlp = nn.ModuleDict(
                 {
-                    "gate_proj": nn.Linear(hidden, ffn, bias=False),
-                    "up_proj": nn.Linear(hidden, ffn, bias=False),
-                    "down_proj": nn.Linear(ffn, hidden, bias=False),
+                    "gate_proj": nn.Linear(hidden, ffn, bias=False, device=META),
+                    "up_proj": nn.Linear(hidden, ffn, bias=False, device=META),
+                    "down_proj": nn.Linear(ffn, hidden, bias=False, device=META),
                 }
             )
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
+        self.input_layernorm = nn.RMSNorm(hidden, device=META)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, device=META)
 
 
 def meta_model(config: Mapping[str, Any]) -> nn.Module:
     """A decoder with the config's parameter names and shapes (Hugging Face Llama's), on meta;
     ValueError naming the field where the config is out of range (``validate_config``)."""
     validate_config(config)
-    with torch.device("meta"):
-        model = nn.Module()
-        model.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        model.layers = nn.ModuleList(_Layer(config) for _ in range(config["num_hidden_layers"]))
-        model.norm = nn.RMSNorm(config["hidden_size"])
-        if not config.get("tie_word_embeddings", False):
-            model.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+    model = nn.Module()
+    shape = (config["vocab_size"], config["hidden_size"])  # _weight: meta's normal_ would import dynamo
+    model.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape, device=META))
+    model.layers = nn.ModuleList(_Layer(config) for _ in range(config["num_hidden_layers"]))
+    model.norm = nn.RMSNorm(config["hidden_size"], device=META)
+    if not config.get("tie_word_embeddings", False):
+        model.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False, device=META)
     return model
