@@ -1,7 +1,8 @@
 """muon_dtensor: the Muon optimizer for plain tensors and DTensors (FSDP2, HSDP), exact and sharded.
 
-The public names load on first use (PEP 562), so ``python -m muon_dtensor plan`` imports torch and
-the planning modules only, not torch.distributed.tensor and the step's layers (a second off the check).
+The public names but the math load on first use (PEP 562), so ``python -m muon_dtensor plan``
+imports torch and the planning modules only, not torch.distributed.tensor and the step's layers (a
+second off the check).
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The pure math loads at once: it checks MUON_DTENSOR_NS_BATCH at import, so a bad value stops
+# every rank at ``import muon_dtensor``, before any collective.
+from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
+
 if TYPE_CHECKING:
     from .checks.validation import resolve_ns_config
     from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
-    from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
     from .optim.optimizer import ADAMW_DEFAULTS, Muon
     from .optim.param_groups import split_params
     from .sharding.plan.build import MatrixEntry, Plan, build_plan
@@ -24,11 +28,6 @@ _WHERE = {
     "qk_clip_": ".features.qk_clip",
     "qk_clip_all_": ".features.qk_clip",
     "qk_clip_factors": ".features.qk_clip",
-    "DEFAULT_COEFFICIENTS": ".numerics.newton_schulz",
-    "PRESETS": ".numerics.newton_schulz",
-    "NSConfig": ".numerics.newton_schulz",
-    "newton_schulz": ".numerics.newton_schulz",
-    "orthogonalize": ".numerics.newton_schulz",
     "ADAMW_DEFAULTS": ".optim.optimizer",
     "Muon": ".optim.optimizer",
     "split_params": ".optim.param_groups",
