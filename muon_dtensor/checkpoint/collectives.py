@@ -10,7 +10,12 @@ import torch.distributed as dist
 
 from ..sharding.runtime.comm import gather_objects, rank_and_size
 
-__all__ = ["barrier", "broadcast_object", "gather_objects", "rank_and_size", "union"]
+__all__ = ["barrier", "broadcast_object", "gather_objects", "no_process_group", "rank_and_size", "union"]
+
+
+def no_process_group() -> bool:
+    """No default process group: the helpers run DCP in one process (``no_dist``)."""
+    return not (dist.is_available() and dist.is_initialized())
 
 
 def _solo(group: dist.ProcessGroup | None) -> bool:

@@ -36,7 +36,7 @@ from . import collectives
 from ._warnings import single_process
 from .agree import agree_save
 from .extra_tensors import rank_entries, split_tensors
-from .layout import PER_FQN, Models, Optimizers, Parts, dcp_state, part_states
+from .layout import PER_FQN, Models, Optimizers, Parts, dcp_state, optimizer_types, part_states
 from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, check_extra, complete_steps, file_record
 from .publish import IN_FLIGHT, claim, discarding, prune, publish
@@ -54,10 +54,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _solo() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
-
-
 def _saved_state(model: Models, optimizer: Optimizers) -> dict[str, Any]:
     """What a save writes (format 2, ``layout``): the rank's parts by FQN, their optimizers' entries
     per parameter. Local: ValueError for parts that do not pair up or share an entry."""
@@ -66,13 +62,6 @@ def _saved_state(model: Models, optimizer: Optimizers) -> dict[str, Any]:
 
 def _extra_entries(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, Any]:
     return rank_entries(tensors, collectives.rank_and_size(group)[0])
-
-
-def _types(optimizer: Optimizers) -> str | None:
-    """The optimizers' type names, as the ranks must agree on them (None: weights only)."""
-    if isinstance(optimizer, (list, tuple)):
-        return repr([type(o).__qualname__ for o in optimizer])
-    return None if optimizer is None else type(optimizer).__qualname__
 
 
 def _check_arguments(
@@ -144,10 +133,10 @@ def save_checkpoint(
     given, (extra, saved) = extra, agree_save(
         process_group, lambda: _check_arguments(step, extra, keep_last, model, optimizer),
         root=str(root), step=step, extra=extra, keep_last=keep_last,
-        optimizer=_types(optimizer),
+        optimizer=optimizer_types(optimizer),
     )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group)
-    solo = _solo()
+    solo = collectives.no_process_group()
     tensors = split_tensors(given)[1]
 
     def write_and_publish() -> Path:  # DCP's errors and _finalize's reach every rank alike
@@ -201,12 +190,14 @@ def async_save_checkpoint(
     given, (extra, saved) = extra, agree_save(
         process_group, lambda: _check_arguments(step, extra, keep_last, model, optimizer),
         "async_save_checkpoint", root=str(root), step=step, extra=extra, keep_last=keep_last,
-        optimizer=_types(optimizer),
+        optimizer=optimizer_types(optimizer),
     )  # fmt: skip
     tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
     state = saved | _extra_entries(split_tensors(given)[1], process_group)
-    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=_solo())
+    future = dcp.async_save(
+        state, checkpoint_id=str(tmp), process_group=group, no_dist=collectives.no_process_group()
+    )
     return PendingSave(
         future,
         lambda: discarding(lambda: _finalize(tmp, final, step, extra, keep_last, group), tmp, group),

@@ -32,6 +32,7 @@ __all__ = [
     "Optimizers",
     "Parts",
     "layout_of_manifest",
+    "optimizer_types",
 ]
 
 _NAMES = "param_names"
@@ -65,6 +66,13 @@ TORCHTITAN = Layout(2, "", "optimizer.", ("extra.", "train_state.", "lr_schedule
 
 def layout_of_manifest(manifest: dict[str, Any]) -> Layout:
     return PER_FQN if manifest.get("format", 1) == 2 else BY_INDEX
+
+
+def optimizer_types(optimizer: Optimizers) -> str | None:
+    """The optimizers' type names, as the ranks must agree on them (None: weights only)."""
+    if isinstance(optimizer, (list, tuple)):
+        return repr([type(o).__qualname__ for o in optimizer])
+    return None if optimizer is None else type(optimizer).__qualname__
 
 
 @dataclass(frozen=True)

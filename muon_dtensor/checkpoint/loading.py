@@ -37,6 +37,7 @@ from .layout import (
     apply,
     dcp_state,
     layout_of_manifest,
+    optimizer_types,
     part_states,
 )
 from .manifest import MANIFEST, CheckpointError, complete_steps, read_manifest, step_dir, verify_files
@@ -46,10 +47,6 @@ __all__ = ["latest_step", "load_checkpoint"]
 
 log = logging.getLogger(__name__)
 _TITAN_STEP = re.compile(r"^step-(\d+)$")
-
-
-def _solo() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
 
 
 def titan_steps(root: Path) -> list[int]:
@@ -144,7 +141,7 @@ def load_checkpoint(
         "load_checkpoint",
         process_group,
         local,
-        optimizer=_types(optimizer),
+        optimizer=optimizer_types(optimizer),
         optimizer_state=optimizer_state,
         step=step,
         root=str(root),
@@ -169,13 +166,6 @@ def load_checkpoint(
             folder,
         )
     return {"step": chosen, **fill(manifest.get("extra", {}), state)}
-
-
-def _types(optimizer: Optimizers) -> str | None:
-    """The optimizers' type names, as the ranks must agree on them (None: weights only)."""
-    if isinstance(optimizer, (list, tuple)):
-        return repr([type(o).__qualname__ for o in optimizer])
-    return None if optimizer is None else type(optimizer).__qualname__
 
 
 def _check_and_read(
@@ -234,7 +224,7 @@ def _read(folder: Path, files: Any, state: dict[str, Any], group: dist.ProcessGr
     and every group was checked before. DCP's own failure (a BaseException) becomes a
     CheckpointError, on every rank alike, as DCP raises it."""
     reader, planner = SafeReader(folder, files), SafeLoadPlanner(allow_partial_load=True)
-    solo = _solo()
+    solo = collectives.no_process_group()
     try:
         with single_process(solo):
             dcp.load(state, storage_reader=reader, process_group=group, planner=planner, no_dist=solo)
