@@ -142,10 +142,11 @@ def mislaid_grad_on_one_rank() -> None:
 
 def rank_outside_mesh() -> None:
     """A pipeline stage's parameter handed to a rank outside that stage: that rank raises at
-    construction, naming it; the stage's own rank builds and steps without a collective to wait on."""
+    construction, naming it; the stage's own rank, whose step group is its stage, builds and steps
+    without a collective to wait on."""
     stage0 = DeviceMesh("cpu", [0])
     p = _param((6, 4), stage0)
-    opt = Muon([("stage0.w", p)], lr=0.1)
+    opt = Muon([("stage0.w", p)], lr=0.1, step_group=stage0)
     p.grad = _grad_like(p)
     opt.step()
 

@@ -7,7 +7,8 @@ the last rank). A new public call that communicates is a new row (and an entry i
 what holds the library to its one agreement primitive (``muon_dtensor/checks/together.py``): before
 it, ``qk_clip_all_`` with no layers on one rank, layers in another order across two meshes, or one
 layer passed as a DTensor on one rank and as a plain tensor on the other left ranks waiting forever,
-and a save with another step or ``extra`` on one rank wrote a checkpoint under rank 0's step.
+a save with another step or ``extra`` on one rank wrote a checkpoint under rank 0's step, and a step
+with a parameter on a mesh the other ranks do not step on waited forever in that mesh's check.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
@@ -51,6 +53,7 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("step", "params (order)", "as built", "first two swapped"),
     ("step", "params (contents)", "every matrix", "the last one left out"),
     ("step", "gradient", "present", "missing"),
+    ("step", "params (meshes)", "the model's mesh", "a second mesh too"),
     # qk_clip_: the arguments, the weights' kind, this rank's max logits
     ("qk_clip_", "head_dim", 4, 2),
     ("qk_clip_", "threshold", 100.0, 50.0),
@@ -125,6 +128,12 @@ def _step(env: Env, arg: str, value: Any) -> None:
         del group["params"][-1], group["param_names"][-1]
     elif arg == "gradient" and value == "missing":
         group["params"][0].grad = None
+    elif arg == "params (meshes)":  # every rank builds the mesh; one rank alone steps on it
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("extra",))
+        if value != "the model's mesh":
+            extra = nn.Parameter(DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False))
+            extra.grad = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
+            env.opt.add_param_group({"params": [extra], "param_names": ["extra.weight"]})
     elif not arg.startswith(("params", "gradient")):
         group[arg] = value
     env.opt.step()

@@ -100,7 +100,9 @@ def _synthetic_steps(
 
 
 def stage_zero_first() -> dict[str, Any]:
+    """Each stage's optimizer steps with its own ranks only (``step_group``: the stage's mesh)."""
     pipe = Pipeline()
+    pipe.opt = Muon(split_params(pipe.model), lr=0.02, step_group=pipe.mesh["dp"])
     ref = part(stack(), pipe.stage)
     ref_opt, order = muon(ref), []
     token, peer = torch.zeros(1), (dist.get_rank() + 2) % 4

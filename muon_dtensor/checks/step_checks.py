@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -32,6 +33,7 @@ from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
 from .agreement import all_params, explain, scope_entries, settings_of
 from .names import param_names
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
+from .step_scope import StepScope, agreed, describe, scope_key, step_scope
 from .together import digest_pieces, disagree, summed
 from .validation import check_group
 
@@ -42,7 +44,7 @@ __all__ = ["StepChecks"]
 class _ParamSetCache:
     """What the checks keep between steps while the parameter set is the same."""
 
-    scopes: tuple[Any, ...]  # in order of first appearance (the order every rank reduces in)
+    scopes: tuple[Any, ...]  # sorted by ``scope_key``: the order every rank reduces in
     params: tuple[str, ...]  # per scope: a hash of its groups' (name, layout) rows and every parameter's
     members: tuple[tuple[int, ...], ...]  # per scope: the groups with parameters there
     flat: tuple[Tensor, ...]  # every parameter, in group order
@@ -51,6 +53,7 @@ class _ParamSetCache:
     sizes: tuple[int, ...]  # per group: its parameter count
     specs: tuple[tuple[Any, Any], ...]  # per parameter: its spec and local shape (preflight.presence)
     scoped: tuple[tuple[int, ...], ...]  # per scope: its parameters' indices
+    step: StepScope  # this rank's part of the step group's row
 
 
 class _Summed(NamedTuple):
@@ -80,7 +83,8 @@ class _Summed(NamedTuple):
 class StepChecks:
     """The agreement, the local checks and the preflight of ``Muon.step``, cached between steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_group: Any = None) -> None:
+        self._step_group = step_group  # None: the default group, joined only by ranks with a scope
         self._key: tuple | None = None
         self._layout: _ParamSetCache | None = None
         self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
@@ -97,18 +101,20 @@ class StepChecks:
         with a gradient to apply; raises the same error on every rank of a scope."""
         layout = self._layout_of(groups, ddp_group)
         configs, error = _local_checks(groups)
+        if error is None and layout.step.outside is not None:
+            error = ValueError(layout.step.outside)
         bits, bad = presence(layout.flat, layout.specs)
         digests = [
             digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
             for text, members in zip(layout.params, layout.members)
         ]
         held = [_bits_pieces(bits, scoped) for scoped in layout.scoped]
-        heads, ranks = _reduce(layout.scopes, digests, held, bad, error is not None)
+        heads, ranks, failed = _reduce(layout, self._step_group, digests, held, bad, error)
         for k, head in enumerate(heads):
-            if head.disagree():
+            if head.disagree():  # the root cause: a failed check may follow from it
                 _explain(groups, ddp_group, layout.scopes[k])
-        if error is not None or any(head.failed for head in heads):
-            _raise_together(error, heads)
+        if error is not None or failed:
+            _raise_together(error, failed)
         slow = [k for k, head in enumerate(heads) if head.held_unlike()]
         present = list(bits) if not (slow or bad) else _present_slow(layout, slow, ranks)
         it = iter(present)
@@ -122,14 +128,14 @@ class StepChecks:
             ),
         )
         if key != self._key or self._layout is None:
-            self._layout = _build_layout(groups, ddp_group)
+            self._layout = _build_layout(groups, ddp_group, self._step_group)
             self._key = key
             self.generation += 1
         return self._layout
 
 
-def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _ParamSetCache:
-    per_scope = scope_entries(groups, ddp_group)
+def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any, step_group: Any) -> _ParamSetCache:
+    per_scope = dict(sorted(scope_entries(groups, ddp_group).items(), key=lambda kv: scope_key(kv[0])))
     everything = repr(all_params(groups))
     params = tuple(
         hashlib.blake2b((repr([(i, named) for i, _, named in e]) + everything).encode()).hexdigest()
@@ -154,6 +160,7 @@ def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _Param
         tuple(len(g["params"]) for g in groups),
         specs_of([p for g in groups for p in g["params"]]),
         tuple(tuple(i for i, s in enumerate(scope_of) if s == k) for k in range(len(per_scope))),
+        step_scope(list(per_scope), step_group, explicit=step_group is not None),
     )
 
 
@@ -176,25 +183,59 @@ def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | 
 
 
 def _reduce(
-    scopes: Sequence[Any],
+    layout: _ParamSetCache,
+    step_group: Any,
     digests: Sequence[Sequence[int]],
     held: Sequence[Sequence[int]],
     bad: int,
-    failed: bool,
-) -> tuple[list[_Summed], list[int]]:
+    error: Exception | None,
+) -> tuple[list[_Summed], list[int], int]:
     """Per scope, in order, its row (``_Summed``'s fields, one integer each or three digest pieces)
-    summed over the scope, and its rank count. A scope's row carries the failures of the scopes
-    before it."""
-    heads, ranks = [], []
-    known = int(failed)
-    for scope, pieces, bits in zip(scopes, digests, held):
-        squares = [x * x for x in pieces]
-        row = [1, *pieces, *squares, known, *bits, *(x * x for x in bits), bad]
-        ((sums, size),) = summed(row, [scope])
-        heads.append(_Summed.of(sums))
-        ranks.append(size)
-        known = max(known, int(heads[-1].failed > 0))
-    return heads, ranks
+    summed over the scope, and its rank count; and how many ranks failed a local check. First the
+    step group's row (``step_scope``): the fingerprint of every rank's scopes, the failures and the
+    row of the scope spanning the group. A lacking mesh is raised there, on every rank of the group,
+    so every rank then reduces over the same scopes, in the same order."""
+    rows = [_row(int(error is not None), p, b, bad) for p, b in zip(digests, held)]
+    heads: dict[int, _Summed] = {}
+    ranks: dict[int, int] = {}
+    failed = int(error is not None)
+    step = layout.step
+    if step.joins:
+        fold = step.folded
+        own = rows[fold] if fold is not None else [0] * _ROW
+        ((sums, size),) = summed([failed, *step.pieces, *own], [_scope(step_group)])
+        if not agreed(sums[1:3]):
+            _lacking(layout, step_group)
+        failed = sums[0]
+        if fold is not None:
+            heads[fold], ranks[fold] = _Summed.of(sums[3:]), size
+    for k, scope in enumerate(layout.scopes):
+        if k not in heads:
+            ((sums, size),) = summed(rows[k], [scope])
+            heads[k], ranks[k] = _Summed.of(sums), size
+            failed = max(failed, heads[k].failed)
+    return [heads[k] for k in range(len(rows))], [ranks[k] for k in range(len(rows))], failed
+
+
+_ROW = 15  # _Summed's fields
+
+
+def _row(failed: int, pieces: Sequence[int], bits: Sequence[int], bad: int) -> list[int]:
+    return [1, *pieces, *(x * x for x in pieces), failed, *bits, *(x * x for x in bits), bad]
+
+
+def _scope(step_group: Any) -> Any:
+    return step_group if step_group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _lacking(layout: _ParamSetCache, step_group: Any) -> None:
+    """Some rank of the step group lacks a mesh its peers step on: name it, on every rank."""
+    everyone = gather_over_scope([scope_key(s) for s in layout.scopes], _scope(step_group))
+    raise ValueError(
+        f"ranks disagree about the meshes they step on: {describe(everyone)}. Every rank of a mesh must "
+        "hold parameters on it in its optimizer (build the model and optimizer the same way on every "
+        "rank); under pipeline parallelism, pass each stage's group as Muon(step_group=...)"
+    )
 
 
 def _bits_pieces(bits: bytes, scoped: Sequence[int]) -> list[int]:
@@ -217,11 +258,11 @@ def _present_slow(layout: _ParamSetCache, slow: Sequence[int], ranks: Sequence[i
     return _present(layout, flags, sums, ranks)
 
 
-def _raise_together(error: Exception | None, heads: Sequence[_Summed]) -> None:
+def _raise_together(error: Exception | None, failed: int) -> None:
     """A local check failed on some rank: it raises its own error, the others say where to look."""
     if error is not None:
         raise error
-    ranks = max((head.failed for head in heads), default=1)
+    ranks = max(failed, 1)
     raise ValueError(
         f"the optimizer's settings failed a check on {ranks} other rank(s) of a mesh this rank shares "
         "(their error names the group and the value); fix the value there, or set it on every rank"

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..numerics.elementwise import ADJUST_LR
 from ..numerics.newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
@@ -86,6 +87,16 @@ def check_process_group(group: Any) -> None:
         raise TypeError(
             f"process_group should be None (the default group) or a torch.distributed.ProcessGroup "
             f"but is: {group!r}; pass a group from dist.new_group or a mesh's get_group()"
+        )
+
+
+def check_step_group(group: Any) -> None:
+    """``step_group``: the ranks that step together (None: the default group)."""
+    if group is not None and not isinstance(group, (ProcessGroup, DeviceMesh)):
+        raise TypeError(
+            f"step_group should be None (the default group), a torch.distributed.ProcessGroup or a "
+            f"DeviceMesh but is: {group!r}; pass the ranks that call step() together, e.g. a pipeline "
+            "stage's mesh"
         )
 
 

@@ -35,6 +35,12 @@ MUON_ARGS = r"""
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
         process_group: the ranks that hold replicated plain parameters (DDP); they split the
             Newton-Schulz work. Without it plain tensors are stepped locally.
+        step_group: the ranks that call step() together (a ProcessGroup or a DeviceMesh). A step
+            on sharded parameters first checks over it that every rank of each mesh steps on that
+            mesh, so a rank lacking one is an error on every rank, not a hang. Default: the
+            default group (every rank); under pipeline parallelism where stages step at different
+            times, pass the stage's group. An optimizer of plain tensors only (no process_group)
+            communicates nothing, as torch.optim's.
         max_round_bytes: bytes of full matrices one pipelined exchange round carries, at least one
             matrix per rank; None: one round (default: 4 MiB, docs/benchmarks.md).
         owners: for parameters a mesh both shards and replicates (HSDP): "mesh" (each matrix

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from ..checks import validation
@@ -86,6 +87,7 @@ class Muon(report.Reports, Optimizer):
         ns_algorithm: NSAlgorithm = "standard",
         mode: Mode = "owner",
         process_group: ProcessGroup | None = None,
+        step_group: ProcessGroup | DeviceMesh | None = None,
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
         owners: Owners = "auto",
         ns_split: NSSplit = "off",
@@ -107,9 +109,10 @@ class Muon(report.Reports, Optimizer):
         )
         validation.check_muon_group(defaults)
         validation.check_process_group(process_group)
+        validation.check_step_group(step_group)
         self._process_group = process_group
         self._orthogonalize = orthogonalize_fn
-        self._checks = StepChecks()
+        self._checks = StepChecks(step_group)
         self._plans = PlanCache()
         self._walks = StateWalks()
         self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
