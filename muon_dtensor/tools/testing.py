@@ -1,5 +1,7 @@
 """A testing utility: run a function on N local ranks in fresh processes, with a timeout, judged
 through files. The tests, the benchmarks, the demo and the resume check launch their ranks with it.
+On Linux, when the ranks use no GPU, they are forked from one launcher that imported torch once
+(``launcher.py``); otherwise each is an interpreter of its own.
 
 Each rank runs the function and pickles ``("ok", value)`` or ``("error", traceback)`` to its own
 file, then leaves with ``os._exit`` so no gloo destructor runs. gloo can abort a process at exit
@@ -28,11 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import IO, Any
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -70,7 +72,8 @@ def run_ranks(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout
     for one the ranks could not find, a world size above ``MAX_LOCAL_RANKS`` or a bad timeout."""
     ref = function_ref(fn, "fn", "run_ranks")
     check_launch(world_size, timeout, "world_size")
-    with tempfile.TemporaryDirectory(prefix="muon_dtensor_") as tmp:
+    # a rank killed at the deadline may still be writing while the folder goes: ignore that
+    with tempfile.TemporaryDirectory(prefix="muon_dtensor_", ignore_cleanup_errors=True) as tmp:
         Path(tmp, "fn.pkl").write_bytes(pickle.dumps(ref))
         Path(tmp, "args.pkl").write_bytes(pickle.dumps(args))
         roots = [*ref.paths, _import_root(__name__), os.environ.get("PYTHONPATH")]
@@ -78,23 +81,7 @@ def run_ranks(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout
         if _gpus() < world_size:  # one GPU per rank or none: NCCL cannot share a device
             env["CUDA_VISIBLE_DEVICES"] = ""
         logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "muon_dtensor.tools.testing",
-                    str(ref),
-                    str(rank),
-                    str(world_size),
-                    tmp,
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=logs[rank],
-            )
-            for rank in range(world_size)
-        ]
+        procs = _start(str(ref), world_size, tmp, env, logs, _forks(env))
         hung = _wait(procs, Path(tmp), timeout)
         for log in logs:
             log.close()
@@ -285,6 +272,29 @@ def _run_script(path: str) -> ModuleType:
         raise
     sys.modules["__main__"] = module  # what the caller's __main__ pickled (its classes) loads from here
     return module
+
+
+def _start(
+    spec: str, world_size: int, tmp: str, env: dict[str, str], logs: Sequence[IO[bytes]], fork: bool
+) -> list[subprocess.Popen]:
+    """The processes to wait for: one launcher (``fork``: ``launcher.py``) or one per rank. Rank r's
+    stderr goes to ``logs[r]``; stdout is dropped."""
+
+    def rank_command(rank: int) -> list[str]:
+        return [sys.executable, "-m", "muon_dtensor.tools.testing", spec, str(rank), str(world_size), tmp]
+
+    if fork:
+        command = [sys.executable, "-m", "muon_dtensor.tools.launcher", spec, str(world_size), tmp]
+        return [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=logs[0])]
+    return [
+        subprocess.Popen(rank_command(rank), env=env, stdout=subprocess.DEVNULL, stderr=logs[rank])
+        for rank in range(world_size)
+    ]
+
+
+def _forks(env: dict[str, str]) -> bool:
+    """Fork the ranks from one launcher: on Linux, where they see no GPU (no CUDA state to copy)."""
+    return sys.platform == "linux" and env.get("CUDA_VISIBLE_DEVICES") == ""
 
 
 def _gpus() -> int:
