@@ -3,9 +3,10 @@
 ``run_ranks(fn, world_size, *args, timeout=...)`` has the signature and the results of
 ``muon_dtensor.tools.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
 every rank's return value, or raises ``RankError`` with the failing rank's traceback. The difference is
-that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, each
-worker imports torch and joins a gloo process group once, then loops over tasks (the pattern of torch's
-``MultiProcContinuousTest``). That takes the seconds of start-up and rendezvous off every call.
+that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, one
+launcher imports torch once and forks the workers, each joins a gloo process group once, then loops
+over tasks read from its own pipe (the pattern of torch's ``MultiProcContinuousTest``). That takes the
+seconds of start-up and rendezvous off every call.
 
 Safety rules: every call has a deadline; a rank that raises, hangs or dies makes the whole pool be killed
 (a rank that raised may have left the others waiting in a collective) and the next call starts a new one;
@@ -14,7 +15,8 @@ Every task starts from the same RNG state (seed 0, on every rank). Process group
 device mesh makes some) stay alive: torch's caches keep equal meshes from earlier calls (destroying the
 groups after each task made a later task get a mesh whose group was gone), so instead a pool whose
 workers hold more than MAX_THREADS threads (gloo keeps threads per group) is retired after the call. A
-worker exits when the session closes its stdin, and dies with pytest (PR_SET_PDEATHSIG) if killed.
+worker exits when the session closes its pipe and dies with its launcher, which dies with pytest
+(PR_SET_PDEATHSIG), if killed.
 
 Tests that need fresh processes (a rank that calls ``os._exit`` on purpose, patched package internals,
 per-run environment) use ``muon_dtensor.tools.testing.run_ranks`` instead.
@@ -99,17 +101,31 @@ class _Pool:
             "OMP_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "",
             "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
+            "MUON_DTENSOR_POOL_PARENT": str(os.getpid()),  # the launcher dies with this session
         }
-        self.logs: list[IO[bytes]] = [open(self.folder / f"stderr{r}", "wb") for r in range(world_size)]  # noqa: SIM115
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", __name__, str(self.folder), str(rank), str(world_size)],
+        for r in range(world_size):
+            (self.folder / f"stderr{r}").touch()
+        reads, writes = zip(*(os.pipe() for _ in range(world_size)))  # a task line per worker
+        with open(self.folder / "stderr0", "ab") as log:
+            self.launcher = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(self.folder),
+                    str(world_size),
+                    ",".join(map(str, reads)),
+                ],
                 env=env,
-                stdin=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                stderr=self.logs[rank],
+                stderr=log,
+                pass_fds=reads,
             )
-            for rank in range(world_size)
+        for fd in reads:
+            os.close(fd)
+        self.procs = [
+            _Worker(self.launcher, self.folder, r, os.fdopen(w, "wb")) for r, w in enumerate(writes)
         ]
         self._wait_ready()
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
@@ -132,7 +148,7 @@ class _Pool:
         """Each rank's value, the most threads a worker holds after the task, and whether a step
         failed on some rank (recorded in the job's store for good: the pool is retired)."""
         task = next(self.tasks)
-        offsets = {r: self.logs[r].tell() for r in range(self.world_size)}
+        offsets = {r: (self.folder / f"stderr{r}").stat().st_size for r in range(self.world_size)}
         part = self.folder / f"task{task}.pkl.part"
         part.write_bytes(pickle.dumps((spec, root, args)))
         part.rename(self.folder / f"task{task}.pkl")
@@ -178,7 +194,6 @@ class _Pool:
     def _stderr(self, offsets: dict[int, int]) -> str:
         parts = []
         for r in range(self.world_size):
-            self.logs[r].flush()
             data = (self.folder / f"stderr{r}").read_bytes()[offsets.get(r, 0) :]
             code = self.procs[r].poll()
             state = "running" if code is None else f"exit {code}"
@@ -187,20 +202,31 @@ class _Pool:
 
     def close(self, kill: bool = False) -> None:
         for p in self.procs:
-            if p.stdin is not None and not p.stdin.closed:
+            if not p.stdin.closed:
                 with contextlib.suppress(BrokenPipeError):
-                    p.stdin.close()
-        for p in self.procs:
-            if kill:
-                p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for log in self.logs:
-            log.close()
+                    p.stdin.close()  # a worker leaves its loop at EOF, the launcher once all have
+        if kill:
+            self.launcher.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+        try:
+            self.launcher.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.launcher.kill()
+            self.launcher.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _Worker:
+    """One forked worker, as the pool sees it: its task pipe and its exit code, which the launcher
+    writes to ``exit<rank>`` when it reaps the worker (the launcher's own code if it died first)."""
+
+    def __init__(self, launcher: subprocess.Popen, folder: Path, rank: int, stdin: IO[bytes]) -> None:
+        self.launcher, self.exit, self.stdin = launcher, folder / f"exit{rank}", stdin
+
+    def poll(self) -> int | None:
+        if self.exit.exists():
+            with contextlib.suppress(ValueError):
+                return int(self.exit.read_text())
+        return self.launcher.poll()
 
 
 def _judge(outcomes: dict, exits: list[int | None], hung: bool, timeout: float, stderr: str) -> list[Any]:
@@ -230,17 +256,45 @@ _POOLS: dict[int, _Pool] = {}
 atexit.register(shutdown)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when pytest dies, whatever the worker is blocked in."""
-    try:
-        import ctypes
-        import signal
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this process when its parent dies, whatever it is blocked in."""
+    import ctypes
+    import signal
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: stdin EOF still ends an idle worker
-    if os.getppid() == 1:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
         os._exit(1)  # the parent is already gone
+
+
+def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
+    """The pool's launcher: import once, fork one worker per rank (its task pipe as stdin, its
+    stderr to its own log), record each worker's exit code as it is reaped."""
+    import importlib
+
+    from muon_dtensor.tools.launcher import PRELOAD
+
+    for name in (*PRELOAD, "muon_dtensor"):
+        importlib.import_module(name)
+    launcher, workers = os.getpid(), {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _die_with_parent(launcher)
+                if rank:
+                    with open(folder / f"stderr{rank}", "ab") as log:
+                        os.dup2(log.fileno(), 2)
+                sys.stdin = os.fdopen(reads[rank], "r")
+                _serve(folder, rank, world_size)  # leaves with os._exit
+            finally:
+                os._exit(1)
+        workers[pid] = rank
+    while workers:
+        pid, status = os.wait()
+        part = folder / f"exit{workers[pid]}.part"
+        part.write_text(str(os.waitstatus_to_exitcode(status)))
+        part.rename(folder / f"exit{workers.pop(pid)}")
+    os._exit(0)
 
 
 def _serve(folder: Path, rank: int, world_size: int) -> None:
@@ -302,5 +356,5 @@ def _run_task(task: tuple[str, str, tuple]) -> tuple[str, Any]:
 
 
 if __name__ == "__main__":
-    _die_with_parent()
-    _serve(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    _die_with_parent(int(os.environ["MUON_DTENSOR_POOL_PARENT"]))
+    _launch(Path(sys.argv[1]), int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")])
