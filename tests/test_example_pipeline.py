@@ -1,9 +1,11 @@
-"""``examples/pipeline.py`` end to end, as its docstring runs it (torchrun, gloo on CPU): 2 stages x 2
+"""``examples/pipeline.py`` end to end (gloo on CPU): 2 stages x 2
 FSDP2 shards on 4 ranks train and die right after step DIE's save; from that checkpoint, 2 ranks
 resume with the stages merged (FSDP2, one Muon, no pipeline) and 4 ranks resume on the stages; each
 finishes at step STEPS with the weights of an uninterrupted 4-rank run, bit for bit (the example
 prints a sha256 over every parameter, and the final loss in full) and the same logged loss at every
-step. The four launches run once for the module, two at a time."""
+step. The four launches run once for the module, two at a time: the uninterrupted one by torchrun, as
+the example's docstring runs it, the others by ``tests/forkrun.py`` (torchrun's environment, the
+ranks forked from one process that imported torch once: no agent and no interpreter per rank)."""
 
 from __future__ import annotations
 
@@ -44,10 +46,15 @@ class Run:
         return lines[0]
 
 
-def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str) -> Run:
-    """One launch in its own process group (killed whole on a hang); its output, exit code, time."""
+def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str, forked: bool = True) -> Run:
+    """One launch in its own process group (killed whole on a hang); its output, exit code, time.
+    ``forked``: by tests/forkrun.py, torchrun's environment in ranks forked from one process;
+    otherwise by torchrun itself."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    if forked:
+        command = [sys.executable, "-m", "tests.forkrun", str(ranks)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     command += [str(EXAMPLE), *COMMON, "--ckpt", ckpt, *flags]
     clock = time.perf_counter()
     proc = subprocess.Popen(
@@ -73,7 +80,7 @@ def runs(tmp: Path) -> dict[str, Run]:
     """died (4 ranks, --die-at DIE), merged and stages (resumed from its checkpoint, each on its own
     copy), straight (4 ranks, uninterrupted). The folder ``pristine`` keeps the died run's checkpoints."""
     with ThreadPoolExecutor(2) as pool:  # two at a time: 53 s in all on 2 cores, against 88 s one by one
-        straight = pool.submit(_torchrun, tmp, 4, "straight")
+        straight = pool.submit(_torchrun, tmp, 4, "straight", forked=False)  # as the docstring runs it
         out = {"died": _torchrun(tmp, 4, "died", "--die-at", str(DIE))}
         for name in ("pristine", "stages"):
             shutil.copytree(tmp / "died", tmp / name)
