@@ -1,14 +1,14 @@
-"""Everything a step must know before data moves, in one small all-reduce per scope (per mesh axis;
-per DDP group): whether the ranks built the optimizer alike (the agreement's digest), whether any
-rank's values fail the local checks, and which parameters have a gradient, a sparse one or one laid
-out unlike the parameter (the preflight's flags).
+"""Everything a step must know before data moves, in one small all-reduce per scope (per mesh
+axis; per DDP group), after one over the step group that checks every rank of each mesh steps on it
+(``step_scope.py``) and carries the scope spanning the group: whether the ranks built the optimizer
+alike (the agreement's digest), whether any rank's values fail the local checks, and which
+parameters have a gradient, a sparse one or one laid out unlike the parameter (the preflight's flags).
 
 The order is what keeps every rank together: the local checks run and are caught, their failure
-travels in the same sum as the digest, and only then does any rank raise, the same error on every
-rank of the scope. A value one rank alone changed after construction is a disagreement; a bad value
-set on every rank is the local check's error, raised everywhere. Scopes reduce in the same order on
-every rank and each carries the failures already learned, so a rank that only shares a later mesh
-with the failing one learns of it too.
+travels in the step group's row, and only then does any rank raise, the same error on every rank.
+A value one rank alone changed after construction is a disagreement (explained first: a failed
+check may follow from it); a bad value set on every rank is the local check's error, raised
+everywhere. Scopes reduce in one sorted order on every rank.
 
 What does not change between steady steps is cached by parameter identity: the hash of the
 parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
