@@ -16,10 +16,9 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from muon_dtensor.tools.launcher import PRELOAD
+from muon_dtensor.tools.launcher import PRELOAD, fork_ranks
 
 GRACE = 5.0  # seconds the other ranks get once one has failed
 
@@ -32,39 +31,25 @@ def main(nproc: int, script: str, args: list[str]) -> int:
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
     env["LOCAL_WORLD_SIZE"] = str(nproc)
-    parent, ranks = os.getpid(), {}
-    sys.stdout.flush()
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _rank(parent, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, script, args)
-        ranks[pid] = rank
-    return _wait(ranks)
+
+    def rank(r: int) -> int:
+        return _run(script, args, {**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+
+    return _wait(fork_ranks(nproc, rank))
 
 
-def _rank(parent: int, env: dict[str, str], script: str, args: list[str]) -> None:
-    code = 1
+def _run(script: str, args: list[str], env: dict[str, str]) -> int:
+    """The script as ``__main__`` in this rank; its exit code (a traceback and 1 if it raises)."""
+    os.environ.update(env)
+    sys.argv = [script, *args]
+    sys.path[0] = str(Path(script).resolve().parent)
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-        os.environ.update(env)
-        sys.argv = [script, *args]
-        sys.path[0] = str(Path(script).resolve().parent)
         runpy.run_path(script, run_name="__main__")
-        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - a rank's failure: its traceback, then its exit code
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 def _wait(ranks: dict[int, int]) -> int:

@@ -256,39 +256,23 @@ _POOLS: dict[int, _Pool] = {}
 atexit.register(shutdown)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to kill this process when its parent dies, whatever it is blocked in."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)  # the parent is already gone
-
-
 def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
     """The pool's launcher: import once, fork one worker per rank (its task pipe as stdin, its
     stderr to its own log), record each worker's exit code as it is reaped."""
     import importlib
 
-    from muon_dtensor.tools.launcher import PRELOAD
+    from muon_dtensor.tools.launcher import PRELOAD, fork_ranks, rank_stderr
 
     for name in (*PRELOAD, "muon_dtensor"):
         importlib.import_module(name)
-    launcher, workers = os.getpid(), {}
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _die_with_parent(launcher)
-                if rank:
-                    with open(folder / f"stderr{rank}", "ab") as log:
-                        os.dup2(log.fileno(), 2)
-                sys.stdin = os.fdopen(reads[rank], "r")
-                _serve(folder, rank, world_size)  # leaves with os._exit
-            finally:
-                os._exit(1)
-        workers[pid] = rank
+
+    def worker(rank: int) -> int:
+        rank_stderr(folder / f"stderr{rank}", rank)
+        sys.stdin = os.fdopen(reads[rank], "r")
+        _serve(folder, rank, world_size)  # leaves with os._exit
+        return 1
+
+    workers = fork_ranks(world_size, worker)
     while workers:
         pid, status = os.wait()
         part = folder / f"exit{workers[pid]}.part"
@@ -356,5 +340,7 @@ def _run_task(task: tuple[str, str, tuple]) -> tuple[str, Any]:
 
 
 if __name__ == "__main__":
-    _die_with_parent(int(os.environ["MUON_DTENSOR_POOL_PARENT"]))
+    from muon_dtensor.tools.launcher import die_with_parent
+
+    die_with_parent(int(os.environ["MUON_DTENSOR_POOL_PARENT"]))
     _launch(Path(sys.argv[1]), int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")])

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -34,7 +33,7 @@ from .agreement import all_params, explain, scope_entries, settings_of
 from .names import param_names
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
 from .step_scope import StepScope, agreed, describe, scope_key, step_scope
-from .together import digest_pieces, disagree, summed
+from .together import digest_pieces, disagree, group_of, summed
 from .validation import check_group
 
 __all__ = ["StepChecks"]
@@ -203,7 +202,7 @@ def _reduce(
     if step.joins:
         fold = step.folded
         own = rows[fold] if fold is not None else [0] * _ROW
-        ((sums, size),) = summed([failed, *step.pieces, *own], [_scope(step_group)])
+        ((sums, size),) = summed([failed, *step.pieces, *own], [group_of(step_group)])
         if not agreed(sums[1:3]):
             _lacking(layout, step_group)
         failed = sums[0]
@@ -224,13 +223,9 @@ def _row(failed: int, pieces: Sequence[int], bits: Sequence[int], bad: int) -> l
     return [1, *pieces, *(x * x for x in pieces), failed, *bits, *(x * x for x in bits), bad]
 
 
-def _scope(step_group: Any) -> Any:
-    return step_group if step_group is not None else dist.distributed_c10d._get_default_group()
-
-
 def _lacking(layout: _ParamSetCache, step_group: Any) -> None:
     """Some rank of the step group lacks a mesh its peers step on: name it, on every rank."""
-    everyone = gather_over_scope([scope_key(s) for s in layout.scopes], _scope(step_group))
+    everyone = gather_over_scope([scope_key(s) for s in layout.scopes], group_of(step_group))
     raise ValueError(
         f"ranks disagree about the meshes they step on: {describe(everyone)}. Every rank of a mesh must "
         "hold parameters on it in its optimizer (build the model and optimizer the same way on every "

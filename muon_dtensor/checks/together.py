@@ -28,7 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.runtime.comm import gather_over_scope, job_failure, rank_and_size, sum_over_scopes
 
-__all__ = ["Scope", "attempt", "digest_pieces", "raise_together", "refuse_after_failure", "summed"]
+__all__ = [
+    "Scope",
+    "attempt",
+    "digest_pieces",
+    "group_of",
+    "raise_together",
+    "refuse_after_failure",
+    "summed",
+]
 
 Scope = DeviceMesh | dist.ProcessGroup | None  # None: the default group (every rank can name it)
 T = TypeVar("T")
@@ -74,7 +82,8 @@ def _size(scope: Scope) -> int:
     return rank_and_size(scope)[1]
 
 
-def _group(scope: Scope) -> DeviceMesh | dist.ProcessGroup:
+def group_of(scope: Scope) -> DeviceMesh | dist.ProcessGroup:
+    """The mesh or group a scope names (None: the default group)."""
     return scope if scope is not None else dist.distributed_c10d._get_default_group()
 
 
@@ -97,11 +106,11 @@ def raise_together(
     shown = {k: _plain(v) for k, v in (arguments or {}).items()}
     pieces = digest_pieces(repr(sorted(shown.items(), key=lambda kv: kv[0])))
     row = [1, int(error is not None), *pieces, *(x * x for x in pieces)]
-    ((sums, size),) = summed(row, [_group(scope)])
+    ((sums, size),) = summed(row, [group_of(scope)])
     if not sums[1] and not disagree(size, sums[2:5], sums[5:8]):
         return
     portable = _portable(error)  # the error itself, or a RuntimeError with its text
-    everyone = gather_over_scope((shown, portable), _group(scope))
+    everyone = gather_over_scope((shown, portable), group_of(scope))
     keys = dict.fromkeys(k for _, (a, _) in sorted(everyone.items()) for k in a)  # every rank's, in one order
     if any(
         e is not None for _, e in everyone.values()

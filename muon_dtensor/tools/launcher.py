@@ -18,9 +18,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
-__all__ = ["PRELOAD"]
+__all__ = ["PRELOAD", "die_with_parent", "fork_ranks", "rank_stderr"]
 
 # What every rank imports anyway; the environment is the ranks' own, so an import reads the same.
 PRELOAD = (
@@ -44,51 +43,62 @@ def _launch(spec: str, world_size: int, tmp: str) -> None:
         procs = [
             subprocess.Popen(
                 [*command, str(r), str(world_size), tmp],
-                stderr=_log(tmp, r),
-                preexec_fn=lambda: _die_with_parent(launcher),  # noqa: PLW1509 - one call, then exec
+                stderr=open(Path(tmp, f"stderr{r}"), "ab"),  # noqa: SIM115 - inherited by the rank
+                preexec_fn=lambda: die_with_parent(launcher),  # noqa: PLW1509 - one call, then exec
             )
             for r in range(world_size)
         ]
         sys.exit(max(p.wait() for p in procs))
-    children = []
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:
-            _rank(spec, rank, world_size, tmp, launcher, _worker)
-        children.append(pid)
-    for pid in children:
+
+    def rank(r: int) -> int:
+        rank_stderr(Path(tmp, f"stderr{r}"), r)
+        _worker(spec, r, world_size, tmp)  # leaves with os._exit
+        return 1
+
+    for pid in fork_ranks(world_size, rank):
         os.waitpid(pid, 0)
     os._exit(0)
 
 
-def _rank(
-    spec: str, rank: int, world_size: int, tmp: str, launcher: int, worker: Callable[..., None]
-) -> None:
-    """A forked rank: it never returns into the launcher's code, whatever happens."""
-    try:
-        _die_with_parent(launcher)
-        if rank:
-            log = _log(tmp, rank)
-            os.dup2(log.fileno(), 2)
-            log.close()
-        worker(spec, rank, world_size, tmp)  # leaves with os._exit
-    except BaseException:  # noqa: BLE001 - the rank's set-up failed: say why, then leave
-        import traceback
+def fork_ranks(world_size: int, body: Callable[[int], int]) -> dict[int, int]:
+    """Fork ``world_size`` children, each dying with this process, running ``body(rank)`` and leaving
+    with its return value as exit code (1 and the traceback if it raises): a child never returns
+    into the caller's code. Returns pid -> rank. Output buffered here is flushed first."""
+    parent, children = os.getpid(), {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                die_with_parent(parent)
+                code = body(rank)
+            except BaseException:  # noqa: BLE001 - the rank failed: say why, then leave
+                import traceback
 
-        traceback.print_exc()
-    finally:
-        os._exit(1)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+    return children
 
 
-def _log(tmp: str, rank: int) -> IO[bytes]:
-    return open(Path(tmp, f"stderr{rank}"), "ab")  # noqa: SIM115 - inherited by the rank
+def rank_stderr(log: Path, rank: int) -> None:
+    """Rank ``rank``'s stderr to ``log`` (appended); rank 0 keeps the launcher's, which is its log."""
+    if rank:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 2)
 
 
-def _die_with_parent(launcher: int) -> None:
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this process when ``parent`` dies, whatever it is blocked in."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != launcher:  # the launcher died before the line above
+    if os.getppid() != parent:  # the parent died before the line above
         os._exit(1)
 
 
