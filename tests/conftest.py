@@ -2,23 +2,21 @@
 ``pytest -m "not slow"`` is the fast loop (no demo runs, no fresh-process launches, samples of the
 exhaustive checks); ``-m integration`` selects what runs transformers/accelerate, Lightning or torchtitan.
 
-The pools of rank processes (tests/ranks.py) stop when the session ends; the demo
-runs that tests read run once per session (``demo_*`` fixtures), in the background from the end of
-collection, one after another, and only those a selected test reads; the tests that read them run
-last, so the runs overlap the rest of the session; a ``sample_of`` test gives way to its slow test."""
+The pools of rank processes (tests/ranks.py) stop when the session ends; the runs that tests read
+(the demo runs, ``demo_*`` fixtures, and the jobs other modules register: tests/background.py) run
+once per session, in the background from the end of collection, one after another, and only those
+a selected test reads; the tests that read them run last, so the runs overlap the rest of the
+session; a ``sample_of`` test gives way to its slow test."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import ranks
+from tests import background, ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT = 600  # seconds per demo run; generous: it shares the 2 cores with the rest of the session
@@ -57,20 +55,19 @@ def _rank_pools() -> Iterator[None]:
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect samples whose slow test runs too; move the tests that read a demo run to the end and
-    start those runs in the background."""
+    """Deselect samples whose slow test runs too; move the tests that read a background job (a demo
+    run, an example's launches: tests/background.py) to the end and start those jobs."""
     _deselect_samples(config, items)
-    reads = {item: set(getattr(item, "fixturenames", ())) & DEMOS.keys() for item in items}
-    names = [name for name in DEMOS if any(name in r for r in reads.values())]
-    if names:
+    reads = {item: set(getattr(item, "fixturenames", ())) & background.JOBS.keys() for item in items}
+    if any(reads.values()):
         items.sort(key=lambda item: bool(reads[item]))  # stable: the readers last, in their order
+        names = list(dict.fromkeys(name for item in items for name in sorted(reads[item])))
         if not config.option.collectonly:
-            _RUNNERS.append(_DemoRunner(names))
+            background.start(names)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    while _RUNNERS:
-        _RUNNERS.pop().close()
+    background.stop()
 
 
 def _deselect_samples(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -144,77 +141,40 @@ class DemoRun:
         return self.stdout + self.stderr[-4000:]
 
 
-class _DemoRunner:
-    """The selected demo runs, one after another (two at once would crowd 2 cores), each a
-    ``python -m muon_dtensor demo`` subprocess in its own session, so that closing kills its ranks too."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="muon_dtensor_demos_"))
-        self.procs: list[subprocess.Popen] = []
-        self.closed = False
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo")
-        self.runs: dict[str, Future[DemoRun]] = {name: self.pool.submit(self._run, name) for name in names}
-
-    def _run(self, name: str) -> DemoRun:
-        args, env = DEMOS[name]
-        out, logs = self.folder / name, self.folder / f"{name}.log"
-        environ = {**os.environ, **env}
-        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        out.mkdir()
-        with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
-            if self.closed:
-                raise RuntimeError("the session ended before this demo run started")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "muon_dtensor", "demo", *args, "--out", str(out)],
-                cwd=ROOT, env=environ, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
-            )  # fmt: skip
-            self.procs.append(proc)
-            try:
-                code = proc.wait(timeout=DEMO_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                code = proc.wait()
-        err = logs.with_suffix(".err").read_text()
-        if code == -signal.SIGKILL:
-            err += f"\n(killed: no result after {DEMO_TIMEOUT} s, or the session ended)"
-        return DemoRun(code, logs.with_suffix(".out").read_text(), err, out)
-
-    def close(self) -> None:
-        """Kill what still runs (an interrupted session), then remove the outputs."""
-        self.closed = True
-        for future in self.runs.values():
-            future.cancel()
-        for proc in self.procs:
-            _kill(proc)
-        self.pool.shutdown(wait=True)
-        shutil.rmtree(self.folder, ignore_errors=True)
+def _run_demo(name: str, folder: Path) -> DemoRun:
+    """``python -m muon_dtensor demo`` with ``DEMOS[name]``'s arguments and environment."""
+    args, env = DEMOS[name]
+    out, logs = folder / "out", folder / "demo"
+    environ = {**os.environ, **env}
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    out.mkdir()
+    with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
+        proc = background.popen(
+            [sys.executable, "-m", "muon_dtensor", "demo", *args, "--out", str(out)],
+            cwd=ROOT, env=environ, stdout=stdout, stderr=stderr, text=True,
+        )  # fmt: skip
+        try:
+            code = proc.wait(timeout=DEMO_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            background.kill(proc)
+            code = proc.wait()
+    err = logs.with_suffix(".err").read_text()
+    if code == -signal.SIGKILL:
+        err += f"\n(killed: no result after {DEMO_TIMEOUT} s, or the session ended)"
+    return DemoRun(code, logs.with_suffix(".out").read_text(), err, out)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the demo's session (the demo and its ranks) if it is still running."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-_RUNNERS: list[_DemoRunner] = []
-
-
-def _demo(name: str) -> DemoRun:
-    runner = next((r for r in _RUNNERS if name in r.runs), None)
-    if runner is None:  # requested outside the hook's view (e.g. by another fixture): run it now
-        runner = _DemoRunner([name])
-        _RUNNERS.append(runner)
-    return runner.runs[name].result()
+for _name in DEMOS:
+    background.job(_name)(functools.partial(_run_demo, _name))
 
 
 @pytest.fixture(scope="session")
 def demo_default() -> DemoRun:
     """``DEMOS["demo_default"]``, once per session (test_demo)."""
-    return _demo("demo_default")
+    return background.result("demo_default")
 
 
 @pytest.fixture(scope="session")
 def demo_emulated_qk_clip() -> DemoRun:
     """``DEMOS["demo_emulated_qk_clip"]``, once per session (test_cpu_probe, test_qk_clip)."""
-    return _demo("demo_emulated_qk_clip")
+    return background.result("demo_emulated_qk_clip")

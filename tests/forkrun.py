@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from muon_dtensor.tools.launcher import PRELOAD, fork_ranks
+from muon_dtensor.tools.launcher import OURS, PRELOAD, fork_ranks
 
 GRACE = 5.0  # seconds the other ranks get once one has failed
 
 
 def main(nproc: int, script: str, args: list[str]) -> int:
-    for name in PRELOAD:
+    for name in (*PRELOAD, *OURS):
         importlib.import_module(name)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

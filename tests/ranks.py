@@ -43,7 +43,7 @@ from muon_dtensor.tools.testing import RankError
 __all__ = ["STARTS", "RankError", "run_ranks", "shutdown"]
 
 START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
-GRACE = 5.0  # seconds the other ranks get to report once one rank has failed
+GRACE = 3.0  # seconds the other ranks get to report once one rank has failed
 MAX_THREADS = 1500  # per worker; about 6 per process group, so a few hundred device meshes
 
 
@@ -261,13 +261,13 @@ def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
     stderr to its own log), record each worker's exit code as it is reaped."""
     import importlib
 
-    from muon_dtensor.tools.launcher import PRELOAD, fork_ranks, rank_stderr
+    from muon_dtensor.tools.launcher import OURS, PRELOAD, fork_ranks, rank_stderr
 
-    for name in (*PRELOAD, "muon_dtensor"):
+    for name in (*PRELOAD, *OURS):
         importlib.import_module(name)
 
     def worker(rank: int) -> int:
-        rank_stderr(folder / f"stderr{rank}", rank)
+        rank_stderr(folder / f"stderr{rank}")
         sys.stdin = os.fdopen(reads[rank], "r")
         _serve(folder, rank, world_size)  # leaves with os._exit
         return 1
@@ -282,9 +282,12 @@ def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
 
 
 def _serve(folder: Path, rank: int, world_size: int) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)  # a crash in native code leaves its Python stacks in the log
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
     (folder / f"ready{rank}").touch()

@@ -3,9 +3,10 @@ FSDP2 shards on 4 ranks train and die right after step DIE's save; from that che
 resume with the stages merged (FSDP2, one Muon, no pipeline) and 4 ranks resume on the stages; each
 finishes at step STEPS with the weights of an uninterrupted 4-rank run, bit for bit (the example
 prints a sha256 over every parameter, and the final loss in full) and the same logged loss at every
-step. The four launches run once for the module, two at a time: the uninterrupted one by torchrun, as
-the example's docstring runs it, the others by ``tests/forkrun.py`` (torchrun's environment, the
-ranks forked from one process that imported torch once: no agent and no interpreter per rank)."""
+step. The four launches run once, two at a time, in the background of the session
+(tests/background.py): the uninterrupted one by torchrun, as the example's docstring runs it, the
+others by ``tests/forkrun.py`` (torchrun's environment, the ranks forked from one process that
+imported torch once: no agent and no interpreter per rank)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pipeline.py"
@@ -57,28 +59,23 @@ def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str, forked: bool = True
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     command += [str(EXAMPLE), *COMMON, "--ckpt", ckpt, *flags]
     clock = time.perf_counter()
-    proc = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = background.popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        background.kill(proc)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(command[4:])} hung past {TIMEOUT} s:\n{out[-4000:]}")
+        raise AssertionError(f"{' '.join(command[4:])} hung past {TIMEOUT} s:\n{out[-4000:]}") from None
     return Run(proc.returncode, out, time.perf_counter() - clock)
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pipeline")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp: Path) -> dict[str, Run]:
+@background.job("pipeline_runs")
+def _launch_all(tmp: Path) -> tuple[dict[str, Run], Path]:
     """died (4 ranks, --die-at DIE), merged and stages (resumed from its checkpoint, each on its own
-    copy), straight (4 ranks, uninterrupted). The folder ``pristine`` keeps the died run's checkpoints."""
+    copy), straight (4 ranks, uninterrupted); and ``tmp``, whose folder ``pristine`` keeps the died
+    run's checkpoints."""
     with ThreadPoolExecutor(2) as pool:  # two at a time: 53 s in all on 2 cores, against 88 s one by one
         straight = pool.submit(_torchrun, tmp, 4, "straight", forked=False)  # as the docstring runs it
         out = {"died": _torchrun(tmp, 4, "died", "--die-at", str(DIE))}
@@ -87,13 +84,21 @@ def runs(tmp: Path) -> dict[str, Run]:
         stages = pool.submit(_torchrun, tmp, 4, "stages", "--resume")
         out["merged"] = _torchrun(tmp, 2, "died", "--resume", "--merged")
         out.update(stages=stages.result(), straight=straight.result())
+    return out, tmp
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs() -> tuple[dict[str, Run], Path]:
+    """``_launch_all``'s runs, launched in the background of the session (tests/background.py)."""
+    out, tmp = background.result("pipeline_runs")
     for name, run in out.items():
         print(f"{name}: exit {run.code}, {run.seconds:.1f} s")
-    return out
+    return out, tmp
 
 
 @pytest.mark.slow
-def test_the_run_dies_right_after_its_save(runs: dict[str, Run], tmp: Path) -> None:
+def test_the_run_dies_right_after_its_save(pipeline_runs: tuple[dict[str, Run], Path]) -> None:
+    runs, tmp = pipeline_runs
     died, straight = runs["died"], runs["straight"]
     assert died.code != 0, died.out[-4000:]
     assert f"--die-at {DIE}: every rank exits now" in died.out and "final step" not in died.out
@@ -106,7 +111,10 @@ def test_the_run_dies_right_after_its_save(runs: dict[str, Run], tmp: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed", ["merged", "stages"])
-def test_the_resumed_run_ends_bitwise_as_the_uninterrupted_one(runs: dict[str, Run], resumed: str) -> None:
+def test_the_resumed_run_ends_bitwise_as_the_uninterrupted_one(
+    pipeline_runs: tuple[dict[str, Run], Path], resumed: str
+) -> None:
+    runs = pipeline_runs[0]
     run, straight = runs[resumed], runs["straight"]
     assert run.code == 0 and straight.code == 0, f"{run.out[-4000:]}\n{straight.out[-4000:]}"
     ckpt, layout = ("died", "merged") if resumed == "merged" else ("stages", "2 stages")

@@ -21,6 +21,7 @@ import pytest
 from benchmarks.gpucheck.estimate import estimate, fit_budget, full_settings
 from benchmarks.gpucheck.ns_speed import ns_config
 from muon_dtensor.numerics.newton_schulz import ns_flops, orthogonalize_flops
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -35,19 +36,22 @@ def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def dry_run(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    out = tmp_path_factory.mktemp("gpu_check")
+@background.job("gpu_check_dry_run")
+def _dry_run(out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     proc = run_script("--dry-run", out=out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def gpu_check_dry_run() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The dry run, in the background of the session (tests/background.py)."""
+    return background.result("gpu_check_dry_run")
+
+
 @pytest.mark.slow
-def test_every_part_has_a_status(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    _, payload = dry_run
+def test_every_part_has_a_status(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
+    _, payload = gpu_check_dry_run
     parts = payload["parts"]
     assert sorted(parts) == ["a", "b", "c", "d", "e"]
     for key, entry in parts.items():
@@ -59,8 +63,10 @@ def test_every_part_has_a_status(dry_run: tuple[Any, dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_batch_independence_compares_every_batch_and_position(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    result = dry_run[1]["parts"]["a"]["result"]
+def test_batch_independence_compares_every_batch_and_position(
+    gpu_check_dry_run: tuple[Any, dict[str, Any]],
+) -> None:
+    result = gpu_check_dry_run[1]["parts"]["a"]["result"]
     assert result["shapes_checked"] == len(result["rows"]) == 3
     for row in result["rows"].values():
         assert isinstance(row["batch_independent"], bool)
@@ -73,8 +79,8 @@ def test_batch_independence_compares_every_batch_and_position(dry_run: tuple[Any
 
 
 @pytest.mark.slow
-def test_ns_speed_rows_hold_the_flops_arithmetic(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    result = dry_run[1]["parts"]["b"]["result"]
+def test_ns_speed_rows_hold_the_flops_arithmetic(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
+    result = gpu_check_dry_run[1]["parts"]["b"]["result"]
     peak = result["peak"]
     assert peak["tflops"] == pytest.approx(
         2 * peak["n"] ** 3 / (statistics.median(peak["times_ms"]) * 1e-3) / 1e12
@@ -94,8 +100,8 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(dry_run: tuple[Any, dict[str, A
 
 
 @pytest.mark.slow
-def test_step_part_counts_ops_and_host_time(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    result = dry_run[1]["parts"]["c"]["result"]
+def test_step_part_counts_ops_and_host_time(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
+    result = gpu_check_dry_run[1]["parts"]["c"]["result"]
     assert result["host_model_us_per_op"] == pytest.approx(5.0)
     assert set(result["contenders"]) == {"muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused"}
     for label, row in result["contenders"].items():
@@ -108,8 +114,8 @@ def test_step_part_counts_ops_and_host_time(dry_run: tuple[Any, dict[str, Any]])
 
 
 @pytest.mark.slow
-def test_cuda_only_parts_are_skipped_with_a_reason(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    parts = dry_run[1]["parts"]
+def test_cuda_only_parts_are_skipped_with_a_reason(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
+    parts = gpu_check_dry_run[1]["parts"]
     d, e = parts["d"], parts["e"]
     assert d["status"] == "skipped" and "CUDA" in d["reason"], d
     assert all(d["result"]["replay_equals_eager_per_step"]), d  # the harness, with eager steps
@@ -119,8 +125,8 @@ def test_cuda_only_parts_are_skipped_with_a_reason(dry_run: tuple[Any, dict[str,
 
 
 @pytest.mark.slow
-def test_printed_full_run_estimate_fits_eight_minutes(dry_run: tuple[Any, dict[str, Any]]) -> None:
-    proc, payload = dry_run
+def test_printed_full_run_estimate_fits_eight_minutes(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
+    proc, payload = gpu_check_dry_run
     found = re.search(r"estimate for the full run: (\d+) s", proc.stdout)
     assert found, proc.stdout[:2000]
     assert int(found.group(1)) < 480

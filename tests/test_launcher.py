@@ -1,13 +1,15 @@
 """``run_ranks``'s launcher (``muon_dtensor/tools/launcher.py``): on Linux without GPUs the ranks are
-forked from one process that imported torch once. Each rank is still a process of its own, a rank
-that hangs dies with its launcher at the deadline, and the other way (one interpreter per rank, as
-on a GPU host) gives the same results."""
+forked from one process that imported torch once, which the calling process keeps for its next
+launch in the same environment. Each rank is still a process of its own, a rank that hangs dies
+with its launcher at the deadline, and the other way (one interpreter per rank, as on a GPU host)
+gives the same results."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,15 +47,28 @@ def test_one_interpreter_per_rank_gives_the_same_results(monkeypatch: pytest.Mon
 
 
 def test_a_hanging_rank_dies_with_its_launcher(tmp_path: Path) -> None:
-    with pytest.raises(RankError, match="rank 1 timed out after 10 s"):
-        run_ranks(
-            hang_on_rank_1, 2, str(tmp_path), timeout=10
-        )  # room for the launcher to start on busy cores
+    run_ranks(who, 2)  # the launcher this process keeps has imported torch: the deadline is the ranks'
+    with pytest.raises(RankError, match="rank 1 timed out after 5 s"):
+        run_ranks(hang_on_rank_1, 2, str(tmp_path), timeout=5)
     pid = int((tmp_path / "pid1").read_text())
     deadline = time.monotonic() + 5
     while Path(f"/proc/{pid}").exists() and _state(pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", "the hanging rank outlived the call"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, again = run_ranks(who, 2), run_ranks(who, 2)  # after a launcher was killed (the test above)
+    assert first[0][2] == again[0][2] and first[0][1] != again[0][1]  # one launcher, new ranks
+    monkeypatch.setenv("MUON_DTENSOR_LAUNCHER_TEST", "1")
+    other = run_ranks(who, 2)
+    assert other[0][2] != first[0][2]  # imported torch under another environment: not reused
+    with ThreadPoolExecutor(1) as pool:  # another thread: a launcher for that launch only
+        threaded = pool.submit(run_ranks, who, 2).result()
+    assert threaded[0][2] not in (first[0][2], other[0][2]) and [r[0] for r in threaded] == [0, 1]
 
 
 def _state(pid: int) -> str:

@@ -16,8 +16,10 @@ from typing import Any, cast
 import pytest
 
 from muon_dtensor.tools import resume_check
+from muon_dtensor.tools.rank import resolve
 from muon_dtensor.tools.resume_check import run_resume_check
-from muon_dtensor.tools.testing import MAX_LOCAL_RANKS, function_ref, resolve
+from muon_dtensor.tools.testing import MAX_LOCAL_RANKS, function_ref
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = """
@@ -63,21 +65,41 @@ def _bitwise(done: subprocess.CompletedProcess[str]) -> None:
     assert json.loads(done.stdout.splitlines()[-1]) == {"bitwise": True, "passed": True, "cause": None}
 
 
-@pytest.mark.slow
-def test_a_loop_in_a_module_next_to_the_script(tmp_path: Path) -> None:
-    """Before: ``ModuleNotFoundError: No module named 'myloop'`` in every rank."""
+@background.job("loop_in_a_module")
+def _loop_in_a_module(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     (tmp_path / "myloop.py").write_text(LOOP)
     script = tmp_path / "check_resume.py"
     script.write_text("from myloop import build, train_step\n" + CHECK)
-    _bitwise(_run(script, tmp_path / "elsewhere"))
+    return _run(script, tmp_path / "elsewhere")
+
+
+@background.job("loop_in_the_script")
+def _loop_in_the_script(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(LOOP + CHECK)
+    return _run(script, tmp_path / "elsewhere")
+
+
+@pytest.fixture
+def loop_in_a_module() -> subprocess.CompletedProcess[str]:
+    return background.result("loop_in_a_module")
+
+
+@pytest.fixture
+def loop_in_the_script() -> subprocess.CompletedProcess[str]:
+    return background.result("loop_in_the_script")
 
 
 @pytest.mark.slow
-def test_a_loop_in_the_script_itself(tmp_path: Path) -> None:
+def test_a_loop_in_a_module_next_to_the_script(loop_in_a_module: subprocess.CompletedProcess[str]) -> None:
+    """Before: ``ModuleNotFoundError: No module named 'myloop'`` in every rank."""
+    _bitwise(loop_in_a_module)
+
+
+@pytest.mark.slow
+def test_a_loop_in_the_script_itself(loop_in_the_script: subprocess.CompletedProcess[str]) -> None:
     """Before: ``AttributeError: Can't get attribute 'build' on <module ...>`` in every rank."""
-    script = tmp_path / "train.py"
-    script.write_text(LOOP + CHECK)
-    _bitwise(_run(script, tmp_path / "elsewhere"))
+    _bitwise(loop_in_the_script)
 
 
 @pytest.mark.slow

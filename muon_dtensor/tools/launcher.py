@@ -1,25 +1,37 @@
-"""The launcher ``run_ranks`` starts its ranks with. On Linux, when the ranks use no GPU, one launcher process
-imports torch and its distributed packages once and forks every rank from it: each rank is still a
-process of its own that has run nothing but those imports, and the launch costs one interpreter's
-start instead of one per rank (importing torch is seconds of CPU, and the ranks share the host's
+"""The launcher ``run_ranks`` starts its ranks with. On Linux, when the ranks use no GPU, a launcher
+process imports torch and its distributed packages once and forks every rank from it: each rank is
+still a process of its own that has run nothing but those imports, and a launch costs a fork instead
+of an interpreter's start per rank (importing torch is seconds of CPU, and the ranks share the host's
 cores). Elsewhere (a GPU per rank, where a fork after CUDA's set-up is unsafe; other systems) each
 rank is an interpreter of its own, as ``multiprocessing``'s spawn starts them.
 
-A forked rank dies with the launcher (``PR_SET_PDEATHSIG``), so killing the launcher at the
-deadline kills every rank; the launcher leaves once every rank has.
+A process that launches again with the same environment reuses its launcher (kept while
+the process lives), so the import is paid once per process and environment: the demo launches six
+times, a resume check three. A launcher whose environment differs would have imported torch under
+another one, so each environment gets its own (the two newest are kept). Only the main thread
+reuses one: a launcher dies with the thread that started it (``PR_SET_PDEATHSIG``), and a launch
+from another thread, or while the launcher is busy, gets a launcher of its own for that launch.
+
+A forked rank dies with its launcher, so killing the launcher at a deadline kills every rank.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["PRELOAD", "die_with_parent", "fork_ranks", "rank_stderr"]
+from .rank import worker
+
+__all__ = ["OURS", "PRELOAD", "Launch", "die_with_parent", "fork_ranks", "launch", "rank_stderr"]
 
 # What every rank imports anyway; the environment is the ranks' own, so an import reads the same.
 PRELOAD = (
@@ -29,35 +41,162 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
 )
+# Imported too where they import (a bad setting they check at import then fails in each rank, with
+# its traceback): the optimizer and the checkpoint helpers, which nearly every rank function uses.
+OURS = ("muon_dtensor.optim.optimizer", "muon_dtensor.checkpoint")
+KEPT = 2  # launchers kept per process, one per environment: a test's changed environment and the usual one
+# What pytest changes for every test and torch never reads: not a reason for a launcher of its own (each
+# rank still gets the caller's value).
+VOLATILE = ("PYTEST_CURRENT_TEST",)
 
 
-def _launch(spec: str, world_size: int, tmp: str) -> None:
-    """The launcher: import, fork each rank (its stderr to its own log), wait for all of them."""
+class Launch:
+    """One launch, as ``run_ranks`` waits for it: ``poll()`` is None until every rank's exit code is in
+    ``tmp/exit<rank>`` (or the launcher died), then the largest; ``kill()`` kills the launcher, and
+    with it every rank."""
+
+    def __init__(self, proc: subprocess.Popen, tmp: Path, world_size: int, done: Callable[[], None]) -> None:
+        self.proc, self.tmp, self.world_size, self._done = proc, tmp, world_size, done
+
+    def poll(self) -> int | None:
+        codes = [_exit_code(self.tmp / f"exit{r}") for r in range(self.world_size)]
+        code = max(codes) if None not in codes else self.proc.poll()  # type: ignore[type-var]
+        if code is not None:
+            self._done()
+        return code
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._done()
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+
+def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
+    """Fork ``world_size`` ranks running ``spec`` (see ``rank.worker``) from a launcher that
+    imported torch with ``env``: this process's kept one where it can, else one for this launch."""
+    request = json.dumps([spec, world_size, tmp, env]) + "\n"
+    if threading.current_thread() is threading.main_thread():
+        server = _server(env)
+        if server is not None:
+            try:
+                assert server.stdin is not None
+                server.stdin.write(request.encode())
+                server.stdin.flush()
+                return Launch(server, Path(tmp), world_size, lambda: _BUSY.discard(server.pid))
+            except (BrokenPipeError, ValueError):  # it died since: a launcher for this launch
+                _drop(server)
+    once = _start(env)
+    assert once.stdin is not None
+    once.stdin.write(request.encode())
+    once.stdin.close()  # it serves this launch only
+    return Launch(once, Path(tmp), world_size, _nothing)
+
+
+_SERVERS: dict[tuple[tuple[str, str], ...], subprocess.Popen] = {}  # newest last
+_BUSY: set[int] = set()  # the pids of kept launchers with a launch in flight
+
+
+def _server(env: dict[str, str]) -> subprocess.Popen | None:
+    """The kept launcher for ``env``, started if needed and marked busy; None while it is busy."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+    server = _SERVERS.pop(key, None)
+    if server is not None and server.poll() is not None:
+        server = None
+    _SERVERS[key] = server = server or _start(env)
+    while len(_SERVERS) > KEPT:
+        _drop(next(iter(_SERVERS.values())))
+    if server.pid in _BUSY:
+        return None
+    _BUSY.add(server.pid)
+    return server
+
+
+def _start(env: dict[str, str]) -> subprocess.Popen:
+    """A launcher that imports under ``env`` and serves the requests written to its input."""
+    command = [sys.executable, "-m", __name__, str(os.getpid())]
+    return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+def _drop(server: subprocess.Popen) -> None:
+    """Stop a kept launcher (it leaves at the end of its input; killed if it hangs)."""
+    for key in [k for k, s in _SERVERS.items() if s is server]:
+        del _SERVERS[key]
+    _BUSY.discard(server.pid)
+    with contextlib.suppress(OSError, ValueError):
+        server.stdin.close()  # type: ignore[union-attr]
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@atexit.register
+def _stop_servers() -> None:
+    while _SERVERS:
+        _drop(next(iter(_SERVERS.values())))
+
+
+def _nothing() -> None:
+    pass
+
+
+def _exit_code(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):  # not reaped yet
+        return None
+
+
+def _serve(parent: int) -> None:
+    """The launcher: import, then for each request (a line of its input) fork its ranks and reap
+    them, writing each rank's exit code to ``exit<rank>`` in the launch's folder; leave at its end."""
+    die_with_parent(parent)
     for name in PRELOAD:
         importlib.import_module(name)
-    from .testing import _worker
+    for name in OURS:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    threaded = len(os.listdir("/proc/self/task")) > 1  # a thread now would be copied half-way into a fork
+    for line in sys.stdin:
+        spec, world_size, tmp, env = json.loads(line)
+        ranks = _spawn(spec, world_size, tmp, env) if threaded else _fork(spec, world_size, tmp, env)
+        while ranks:
+            pid, status = os.wait()
+            part = Path(tmp, f"exit{ranks[pid]}.part")
+            part.write_text(str(os.waitstatus_to_exitcode(status)))
+            part.rename(Path(tmp, f"exit{ranks.pop(pid)}"))
+    os._exit(0)
 
-    launcher = os.getpid()
-    if len(os.listdir("/proc/self/task")) > 1:  # a thread now would be copied half-way into a fork
-        command = [sys.executable, "-m", "muon_dtensor.tools.testing", spec]
-        procs = [
-            subprocess.Popen(
-                [*command, str(r), str(world_size), tmp],
-                stderr=open(Path(tmp, f"stderr{r}"), "ab"),  # noqa: SIM115 - inherited by the rank
-                preexec_fn=lambda: die_with_parent(launcher),  # noqa: PLW1509 - one call, then exec
-            )
-            for r in range(world_size)
-        ]
-        sys.exit(max(p.wait() for p in procs))
 
+def _fork(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[int, int]:
     def rank(r: int) -> int:
-        rank_stderr(Path(tmp, f"stderr{r}"), r)
-        _worker(spec, r, world_size, tmp)  # leaves with os._exit
+        if os.environ != env:  # a VOLATILE variable (no thread runs here yet: setenv is safe)
+            os.environ.clear()
+            os.environ.update(env)
+        rank_stderr(Path(tmp, f"stderr{r}"))
+        worker(spec, r, world_size, tmp)  # leaves with os._exit
         return 1
 
-    for pid in fork_ranks(world_size, rank):
-        os.waitpid(pid, 0)
-    os._exit(0)
+    return fork_ranks(world_size, rank)
+
+
+def _spawn(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[int, int]:
+    """One interpreter per rank, each dying with this launcher; pid -> rank."""
+    me, procs = os.getpid(), {}
+    for r in range(world_size):
+        with open(Path(tmp, f"stderr{r}"), "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "muon_dtensor.tools.rank", spec, str(r), str(world_size), tmp],
+                stderr=log,
+                env=env,
+                preexec_fn=lambda: die_with_parent(me),  # noqa: PLW1509 - one call, then exec
+            )
+        procs[proc.pid] = r
+    return procs
 
 
 def fork_ranks(world_size: int, body: Callable[[int], int]) -> dict[int, int]:
@@ -86,11 +225,10 @@ def fork_ranks(world_size: int, body: Callable[[int], int]) -> dict[int, int]:
     return children
 
 
-def rank_stderr(log: Path, rank: int) -> None:
-    """Rank ``rank``'s stderr to ``log`` (appended); rank 0 keeps the launcher's, which is its log."""
-    if rank:
-        with open(log, "ab") as f:
-            os.dup2(f.fileno(), 2)
+def rank_stderr(log: Path) -> None:
+    """This process's stderr to ``log`` (appended)."""
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 2)
 
 
 def die_with_parent(parent: int) -> None:
@@ -103,4 +241,4 @@ def die_with_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    _launch(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    _serve(int(sys.argv[1]))

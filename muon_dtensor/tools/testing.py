@@ -1,13 +1,10 @@
 """A testing utility: run a function on N local ranks in fresh processes, with a timeout, judged
 through files. The tests, the benchmarks, the demo and the resume check launch their ranks with it.
-On Linux, when the ranks use no GPU, they are forked from one launcher that imported torch once
-(``launcher.py``); otherwise each is an interpreter of its own.
-
-Each rank runs the function and pickles ``("ok", value)`` or ``("error", traceback)`` to its own
-file, then leaves with ``os._exit`` so no gloo destructor runs. gloo can abort a process at exit
-("terminate called without an active exception") after all its work is done; since the parent
-judges the files and not the exit codes, that cannot turn into a flaky failure. A rank that hangs
-is killed at the deadline and the test fails with every rank's stderr.
+On Linux, when the ranks use no GPU, they are forked from a launcher that imported torch once, and
+this process keeps it for its next launch (``launcher.py``); otherwise each is an interpreter of its
+own. Each rank (``rank.py``) runs the function and leaves its outcome in a file; the call judges
+the files, not the exit codes. A rank that hangs is killed at the deadline and the test fails with
+every rank's stderr.
 
 The ranks find the function where the caller does (``function_ref``): the folder its module was
 imported from and the caller's ``sys.path[0]`` (its script's folder) go first on their path; a
@@ -31,10 +28,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import IO, Any
+
+from .launcher import Launch, launch
+from .rank import LOADING, FunctionRef, lookup
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -45,25 +43,10 @@ __all__ = ["RankError", "run_ranks"]
 MAX_LOCAL_RANKS = max(64, 8 * (os.cpu_count() or 1))
 FIX = "define it with def at the top level of a module, e.g. myloop.py next to the script"
 _SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
-_LOADING: list[str] = []  # the module or script a rank is importing to find its function, meanwhile
 
 
 class RankError(RuntimeError):
     """A rank raised, hung or died; the message holds its traceback or every rank's stderr."""
-
-
-@dataclass(frozen=True)
-class FunctionRef:
-    """Where a rank finds a function: ``module:qualname`` with ``paths`` first on ``sys.path``;
-    ``script``: the caller's main script, which holds it (run in the rank as ``__mp_main__``)."""
-
-    module: str
-    qualname: str
-    paths: tuple[str, ...] = ()
-    script: str | None = None
-
-    def __str__(self) -> str:
-        return f"{self.module}:{self.qualname}"
 
 
 def run_ranks(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -109,9 +92,9 @@ def check_launch(world_size: Any, timeout: Any, name: str) -> None:
 def function_ref(fn: Callable[..., Any] | str, name: str, caller: str) -> FunctionRef:
     """How the ranks find ``fn`` (a function or ``"module:function"``); TypeError / ValueError naming
     ``name`` and the fix, before any rank starts, for a function they could not find."""
-    if _LOADING:
+    if LOADING:
         raise RuntimeError(
-            f"{caller} was called while a rank imported {_LOADING[0]} to find a function: each rank would "
+            f"{caller} was called while a rank imported {LOADING[0]} to find a function: each rank would "
             f'launch again; put the call under `if __name__ == "__main__":`'
         )
     if isinstance(fn, str):
@@ -136,7 +119,7 @@ def function_ref(fn: Callable[..., Any] | str, name: str, caller: str) -> Functi
         )
     if module == "__main__":
         return _script_ref(fn, name, caller)
-    if _lookup(sys.modules.get(module), qualname) is not fn:
+    if lookup(sys.modules.get(module), qualname) is not fn:
         raise TypeError(
             f"{name} {fn!r} is not {module}:{qualname} (a decorator without functools.wraps?): {FIX}"
         )
@@ -151,7 +134,7 @@ def _import_spec(text: str, name: str) -> Any:
         )
     module, qualname = text.split(":")
     try:
-        found = _lookup(importlib.import_module(module), qualname)
+        found = lookup(importlib.import_module(module), qualname)
     except ImportError as e:
         raise ValueError(
             f"{name}={text!r}: cannot import {module!r} ({e}); the ranks look in {sys.path[0] or os.getcwd()!r} "
@@ -177,14 +160,6 @@ def _paths(*roots: str | None) -> tuple[str, ...]:
     """``roots`` and the caller's ``sys.path[0]`` (its script's folder, or the working folder), in order."""
     first = os.path.abspath(sys.path[0]) if sys.path and os.path.isdir(sys.path[0] or ".") else None
     return tuple(dict.fromkeys(p for p in (*roots, first) if p))
-
-
-def _lookup(module: ModuleType | None, qualname: str) -> Any:
-    """``module``'s attribute ``qualname`` (dotted: a class's function), or None."""
-    found: Any = module
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return found
 
 
 def _script_ref(fn: Callable[..., Any], name: str, caller: str) -> FunctionRef:
@@ -239,55 +214,21 @@ def _is_main_guard(test: ast.expr) -> bool:
     return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
 
 
-def resolve(ref: FunctionRef) -> Callable[..., Any]:
-    """The function ``ref`` names, in this rank: ``ref.paths`` go first on ``sys.path``; a script's
-    function comes from the script run as ``__mp_main__`` (also registered as ``__main__``)."""
-    for path in reversed(ref.paths):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    _LOADING.append(ref.script or ref.module)  # a launch while it loads is refused (function_ref)
-    try:
-        module = _run_script(ref.script) if ref.script else importlib.import_module(ref.module)
-    finally:
-        _LOADING.pop()
-    found = _lookup(module, ref.qualname)
-    if not callable(found):
-        raise AttributeError(f"{ref}: {module.__name__} ({module.__file__}) has no function {ref.qualname!r}")
-    return found
-
-
-def _run_script(path: str) -> ModuleType:
-    """The caller's script as the module ``__mp_main__``, once per process (its main guard is False)."""
-    loaded = sys.modules.get("__mp_main__")
-    if loaded is not None and getattr(loaded, "__file__", None) == path:
-        return loaded
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["__mp_main__"] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["__mp_main__"]
-        raise
-    sys.modules["__main__"] = module  # what the caller's __main__ pickled (its classes) loads from here
-    return module
-
-
 def _start(
     spec: str, world_size: int, tmp: str, env: dict[str, str], logs: Sequence[IO[bytes]], fork: bool
-) -> list[subprocess.Popen]:
-    """The processes to wait for: one launcher (``fork``: ``launcher.py``) or one per rank. Rank r's
-    stderr goes to ``logs[r]``; stdout is dropped."""
-
-    def rank_command(rank: int) -> list[str]:
-        return [sys.executable, "-m", "muon_dtensor.tools.testing", spec, str(rank), str(world_size), tmp]
-
+) -> list[subprocess.Popen] | list[Launch]:
+    """What to wait for: one launch by a launcher (``fork``: ``launcher.py``) or one process per
+    rank, whose stderr goes to ``logs[rank]`` (forked ranks write their ``stderr<rank>`` themselves);
+    stdout is dropped."""
     if fork:
-        command = [sys.executable, "-m", "muon_dtensor.tools.launcher", spec, str(world_size), tmp]
-        return [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=logs[0])]
+        return [launch(spec, world_size, tmp, env)]
     return [
-        subprocess.Popen(rank_command(rank), env=env, stdout=subprocess.DEVNULL, stderr=logs[rank])
+        subprocess.Popen(
+            [sys.executable, "-m", "muon_dtensor.tools.rank", spec, str(rank), str(world_size), tmp],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=logs[rank],
+        )  # fmt: skip
         for rank in range(world_size)
     ]
 
@@ -303,7 +244,7 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> bool:
+def _wait(procs: Sequence[subprocess.Popen | Launch], tmp: Path, timeout: float) -> bool:
     """Wait for every rank; True if some rank had to be killed. Once a rank has reported an error,
     the others get a short grace period: they are likely stuck in a collective it never joined."""
     deadline = time.monotonic() + timeout
@@ -348,34 +289,3 @@ def _judge(tmp: Path, world_size: int, hung: bool, timeout: float) -> list[Any]:
         why = f"timed out after {timeout:.0f} s (hang?)" if hung else "exited without a result"
         raise RankError(f"rank {silent[0]} {why}\n{_stderr(tmp, list(range(world_size)))}")
     return [pickle.loads((tmp / f"result{r}.pkl").read_bytes())[1] for r in range(world_size)]
-
-
-def _worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
-    """Rank ``rank``'s process: ``spec`` (``module:function``) only names the function for ``ps``."""
-    import traceback
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    outcome: tuple[str, Any]
-    try:
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
-        fn = resolve(pickle.loads(Path(tmp, "fn.pkl").read_bytes()))  # first: args may need its module
-        args = pickle.loads(Path(tmp, "args.pkl").read_bytes())
-        outcome = ("ok", fn(*args))
-    except BaseException:  # noqa: BLE001 - report every failure, CheckpointException included
-        outcome = ("error", traceback.format_exc())
-    part = Path(tmp, f"result{rank}.pkl.part")
-    part.write_bytes(pickle.dumps(outcome))
-    part.rename(Path(tmp, f"result{rank}.pkl"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

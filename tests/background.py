@@ -1,0 +1,113 @@
+"""Runs that tests read, started in the background of the session: the demo runs, the examples'
+launches, the GPU check's dry run. Each is a subprocess (or a few) that mostly waits or runs on one
+core, while most of the session's own tests run on one core too: started at the end of
+collection, they fill the other core instead of adding their time to the session's.
+
+A module registers one with ``@job("name")`` (a function of an empty folder, returning what its
+tests read); a fixture of the same name returns ``result("name")``. conftest.py starts the jobs whose
+fixture a selected test uses, one after another in the order of their first reader, and moves their
+readers to the end of the session. A job that raises raises in each of its readers. Subprocesses a
+job starts go through ``popen`` (their own session), so that an interrupted session kills them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["JOBS", "Runner", "job", "popen", "result"]
+
+F = TypeVar("F", bound=Callable[[Path], Any])
+JOBS: dict[str, Callable[[Path], Any]] = {}
+
+
+def job(name: str) -> Callable[[F], F]:
+    """Register ``fn(folder)`` as the background job ``name``."""
+
+    def register(fn: F) -> F:
+        if JOBS.get(name, fn) is not fn:
+            raise ValueError(f"two background jobs are named {name!r}")
+        JOBS[name] = fn
+        return fn
+
+    return register
+
+
+def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` in a session of its own, killed (with its children) if the session ends first."""
+    runner = _RUNNER[0] if _RUNNER else None
+    if runner is not None and runner.closed:
+        raise RuntimeError("the session ended before this run started")
+    proc = subprocess.Popen(command, start_new_session=True, **kwargs)
+    if runner is not None:
+        runner.procs.append(proc)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s session (it and its children) if it is still running."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+class Runner:
+    """The session's background jobs, one after another on one thread."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="muon_dtensor_jobs_"))
+        self.procs: list[subprocess.Popen] = []
+        self.closed = False
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
+        self.futures: dict[str, Future[Any]] = {}
+        self.add(names)
+
+    def add(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self.futures:
+                self.futures[name] = self.pool.submit(self._run, name)
+
+    def _run(self, name: str) -> Any:
+        folder = self.folder / name
+        folder.mkdir()
+        return JOBS[name](folder)
+
+    def close(self) -> None:
+        """Kill what still runs (an interrupted session), then remove the outputs."""
+        self.closed = True
+        for future in self.futures.values():
+            future.cancel()
+        for proc in self.procs:
+            kill(proc)
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_RUNNER: list[Runner] = []
+
+
+def start(names: list[str]) -> None:
+    """Start ``names`` (conftest.py, at the end of collection)."""
+    if _RUNNER:
+        _RUNNER[0].add(names)
+    elif names:
+        _RUNNER.append(Runner(names))
+
+
+def result(name: str) -> Any:
+    """Job ``name``'s result, once it is done (started now if nothing started it)."""
+    start([name])
+    return _RUNNER[0].futures[name].result()
+
+
+def stop() -> None:
+    while _RUNNER:
+        _RUNNER.pop().close()
