@@ -23,7 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["JOBS", "Runner", "job", "popen", "result"]
+import pytest
+
+__all__ = ["JOBS", "Runner", "command", "job", "popen", "result"]
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
@@ -39,6 +41,23 @@ def job(name: str) -> Callable[[F], F]:
         return fn
 
     return register
+
+
+def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any:
+    """Register the job ``name`` that runs ``argv`` (``subprocess.run``'s ``capture_output=True,
+    text=True`` and ``kwargs``) and return its fixture, also named ``name``: assign it in the module."""
+
+    def run(folder: Path) -> subprocess.CompletedProcess[str]:
+        proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill(proc)
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    job(name)(run)
+    return pytest.fixture(name=name)(lambda: result(name))
 
 
 def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:

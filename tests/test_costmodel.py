@@ -27,6 +27,7 @@ from muon_dtensor.planning.costmodel import (
     transformer_shapes,
 )
 from muon_dtensor.planning.links import pipeline_seconds
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIFORM = [(512, 256)] * 64  # 64 equal matrices: every rank owns the same number at N | 64
@@ -130,13 +131,17 @@ def test_transformer_shapes_spell_each_layer() -> None:
     assert CURRENT.pre_bytes + CURRENT.post_bytes == 88.0  # the count in Implementation's docstring
 
 
+gpu_ns_without_cuda = background.command(
+    "gpu_ns_without_cuda", [sys.executable, str(ROOT / "benchmarks" / "gpu_ns.py")],
+    env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}, timeout=120, cwd=ROOT,
+)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_gpu_script_exits_2_with_a_message_without_cuda() -> None:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_ns.py")],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+def test_gpu_script_exits_2_with_a_message_without_cuda(
+    gpu_ns_without_cuda: subprocess.CompletedProcess,
+) -> None:
+    proc = gpu_ns_without_cuda
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr
 

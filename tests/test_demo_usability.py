@@ -14,6 +14,7 @@ import torch
 
 from muon_dtensor.demo import report, run
 from muon_dtensor.demo.parallel import demo_shape, layout_problem
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for one `python -m muon_dtensor demo` that exits before starting ranks
@@ -49,13 +50,16 @@ def test_layouts_the_demo_builds_are_what_they_say(layout: str, world: int) -> N
     assert shape.replicas == (2 if layout == "hsdp" else 1) and shape.tp == (2 if layout == "fsdp-tp" else 1)
 
 
+hsdp_on_3_ranks = background.command(
+    "hsdp_on_3_ranks", [sys.executable, "-m", "muon_dtensor", "demo", "--layout", "hsdp", "--world-size", "3"],
+    cwd=ROOT, timeout=TIMEOUT,
+    env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_the_command_exits_2_with_the_message() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "muon_dtensor", "demo", "--layout", "hsdp", "--world-size", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+def test_the_command_exits_2_with_the_message(hsdp_on_3_ranks: subprocess.CompletedProcess) -> None:
+    done = hsdp_on_3_ranks
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: --layout hsdp needs an even --world-size of at least 4"), (
         done.stderr

@@ -143,9 +143,21 @@ def test_budget_trims_repetitions_first_then_compiles() -> None:
     assert tighter.trims == ["compile: True -> False"]  # fewer repetitions no longer needed
 
 
+@background.job("gpu_check_without_cuda")
+def _full_run(out: Path) -> tuple[subprocess.CompletedProcess[str], bool]:
+    return run_script(out=out), (out / "gpu_check.json").exists()
+
+
+@pytest.fixture
+def gpu_check_without_cuda() -> tuple[subprocess.CompletedProcess[str], bool]:
+    return background.result("gpu_check_without_cuda")
+
+
 @pytest.mark.slow
-def test_full_run_without_cuda_exits_2(tmp_path: Path) -> None:
-    proc = run_script(out=tmp_path)
+def test_full_run_without_cuda_exits_2(
+    gpu_check_without_cuda: tuple[subprocess.CompletedProcess[str], bool],
+) -> None:
+    proc, wrote = gpu_check_without_cuda
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr
-    assert not (tmp_path / "gpu_check.json").exists()
+    assert not wrote

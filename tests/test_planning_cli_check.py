@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from muon_dtensor.__main__ import main as package_main
+from tests import background
 from tests.test_topology import SMALL  # the same small config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +30,20 @@ def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def _plan_job(name: str, *argv: str) -> object:
+    """``_plan(*argv)`` as a background job (tests/background.py) and its fixture ``name``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
+    return background.command(name, command, cwd=ROOT, env=env, timeout=300)
+
+
+plan_check_help = _plan_job("plan_check_help", "--check", "--help")
+plan_help = _plan_job("plan_help", "--help")
+
+
 @pytest.mark.slow  # a subprocess
-def test_check_help_lists_its_options() -> None:
-    done = _plan("--check", "--help")
+def test_check_help_lists_its_options(plan_check_help: subprocess.CompletedProcess) -> None:
+    done = plan_check_help
     assert done.returncode == 0, done.stderr
     for option in (
         "--check",
@@ -48,8 +60,8 @@ def test_check_help_lists_its_options() -> None:
 
 
 @pytest.mark.slow  # a subprocess
-def test_plan_help_lists_check_and_its_options() -> None:
-    done = _plan("--help")
+def test_plan_help_lists_check_and_its_options(plan_help: subprocess.CompletedProcess) -> None:
+    done = plan_help
     assert done.returncode == 0, done.stderr
     assert "check before launch (plan --check CONFIG --gpus N; plan --check --help)" in done.stdout
     for option in ("--check CONFIG", "--hsdp R", "--tp T", "--head-dim D"):
