@@ -25,10 +25,18 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["JOBS", "Runner", "command", "job", "popen", "result"]
+__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "result"]
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
+# The environment at the session's start: a job runs beside tests that may change os.environ for a
+# while (monkeypatch.setenv), so it builds its subprocesses' environment from this one (``environ``).
+_ENVIRON = dict(os.environ)
+
+
+def environ(**extra: str) -> dict[str, str]:
+    """The session's starting environment with ``extra``, for a job's subprocess."""
+    return {**_ENVIRON, **extra}
 
 
 def job(name: str) -> Callable[[F], F]:
@@ -45,7 +53,8 @@ def job(name: str) -> Callable[[F], F]:
 
 def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any:
     """Register the job ``name`` that runs ``argv`` (``subprocess.run``'s ``capture_output=True,
-    text=True`` and ``kwargs``) and return its fixture, also named ``name``: assign it in the module."""
+    text=True`` and ``kwargs``, whose ``env`` should come from ``environ``) and return its fixture,
+    also named ``name``: assign it in the module."""
 
     def run(folder: Path) -> subprocess.CompletedProcess[str]:
         proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)

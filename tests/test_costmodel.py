@@ -6,7 +6,6 @@ benchmarks/gpu_ns.py with no GPU visible."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -133,7 +132,7 @@ def test_transformer_shapes_spell_each_layer() -> None:
 
 gpu_ns_without_cuda = background.command(
     "gpu_ns_without_cuda", [sys.executable, str(ROOT / "benchmarks" / "gpu_ns.py")],
-    env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}, timeout=120, cwd=ROOT,
+    env=background.environ(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT)), timeout=120, cwd=ROOT,
 )  # fmt: skip
 
 

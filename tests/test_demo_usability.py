@@ -53,7 +53,7 @@ def test_layouts_the_demo_builds_are_what_they_say(layout: str, world: int) -> N
 hsdp_on_3_ranks = background.command(
     "hsdp_on_3_ranks", [sys.executable, "-m", "muon_dtensor", "demo", "--layout", "hsdp", "--world-size", "3"],
     cwd=ROOT, timeout=TIMEOUT,
-    env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    env=background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
 )  # fmt: skip
 
 

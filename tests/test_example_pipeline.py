@@ -52,7 +52,8 @@ def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str, forked: bool = True
     """One launch in its own process group (killed whole on a hang); its output, exit code, time.
     ``forked``: by tests/forkrun.py, torchrun's environment in ranks forked from one process;
     otherwise by torchrun itself."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = background.environ(OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if forked:
         command = [sys.executable, "-m", "tests.forkrun", str(ranks)]
     else:

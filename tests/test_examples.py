@@ -32,11 +32,8 @@ def _free_port() -> int:
 def _two_nodes(tmp_path: Path, *args: str) -> str:
     """Start both agents, wait for both; return their output. Fails on a non-zero exit or a hang."""
     port = _free_port()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = background.environ(OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     agents = []
     for node, log in enumerate(logs):

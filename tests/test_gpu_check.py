@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ STATUSES = {"ok", "skipped", "error"}
 
 
 def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
+    env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="")
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,

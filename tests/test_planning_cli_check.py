@@ -32,7 +32,7 @@ def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 def _plan_job(name: str, *argv: str) -> object:
     """``_plan(*argv)`` as a background job (tests/background.py) and its fixture ``name``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
     return background.command(name, command, cwd=ROOT, env=env, timeout=300)
 

@@ -54,7 +54,8 @@ if __name__ == "__main__":
 def _run(script: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``python script`` from ``cwd``, as a user runs it."""
     cwd.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = background.environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
