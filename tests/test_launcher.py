@@ -19,9 +19,15 @@ from muon_dtensor.tools import testing
 from muon_dtensor.tools.testing import RankError, run_ranks
 
 
-def who() -> tuple[int, int, int, bool]:
-    """(rank, pid, parent pid, torch imported before this function's module ran)."""
-    return dist.get_rank(), os.getpid(), os.getppid(), "torch.distributed.checkpoint" in sys.modules
+def who() -> tuple[int, int, int, bool, str]:
+    """(rank, pid, parent pid, torch imported before this function's module ran, working folder)."""
+    return (
+        dist.get_rank(),
+        os.getpid(),
+        os.getppid(),
+        "torch.distributed.checkpoint" in sys.modules,
+        os.getcwd(),
+    )
 
 
 def hang_on_rank_1(folder: str) -> None:
@@ -59,10 +65,13 @@ def test_a_hanging_rank_dies_with_its_launcher(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_own(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     first, again = run_ranks(who, 2), run_ranks(who, 2)  # after a launcher was killed (the test above)
     assert first[0][2] == again[0][2] and first[0][1] != again[0][1]  # one launcher, new ranks
+    monkeypatch.chdir(tmp_path)
+    moved = run_ranks(who, 2)
+    assert moved[0][2] == first[0][2] and {r[4] for r in moved} == {str(tmp_path)}  # where the caller is now
     monkeypatch.setenv("MUON_DTENSOR_LAUNCHER_TEST", "1")
     other = run_ranks(who, 2)
     assert other[0][2] != first[0][2]  # imported torch under another environment: not reused

@@ -77,7 +77,7 @@ class Launch:
 def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
     """Fork ``world_size`` ranks running ``spec`` (see ``rank.worker``) from a launcher that
     imported torch with ``env``: this process's kept one where it can, else one for this launch."""
-    request = json.dumps([spec, world_size, tmp, env]) + "\n"
+    request = json.dumps([spec, world_size, tmp, env, os.getcwd()]) + "\n"
     if threading.current_thread() is threading.main_thread():
         server = _server(env)
         if server is not None:
@@ -162,8 +162,8 @@ def _serve(parent: int) -> None:
             importlib.import_module(name)
     threaded = len(os.listdir("/proc/self/task")) > 1  # a thread now would be copied half-way into a fork
     for line in sys.stdin:
-        spec, world_size, tmp, env = json.loads(line)
-        ranks = _spawn(spec, world_size, tmp, env) if threaded else _fork(spec, world_size, tmp, env)
+        spec, world_size, tmp, env, cwd = json.loads(line)
+        ranks = (_spawn if threaded else _fork)(spec, world_size, tmp, env, cwd)
         while ranks:
             pid, status = os.wait()
             part = Path(tmp, f"exit{ranks[pid]}.part")
@@ -172,9 +172,13 @@ def _serve(parent: int) -> None:
     os._exit(0)
 
 
-def _fork(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[int, int]:
+def _fork(spec: str, world_size: int, tmp: str, env: dict[str, str], cwd: str) -> dict[int, int]:
+    """Each rank where the caller is now: its folder, and its environment (a VOLATILE variable may
+    differ from this launcher's; no thread runs in the rank yet, so setenv is safe)."""
+
     def rank(r: int) -> int:
-        if os.environ != env:  # a VOLATILE variable (no thread runs here yet: setenv is safe)
+        os.chdir(cwd)
+        if os.environ != env:
             os.environ.clear()
             os.environ.update(env)
         rank_stderr(Path(tmp, f"stderr{r}"))
@@ -184,7 +188,7 @@ def _fork(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[int
     return fork_ranks(world_size, rank)
 
 
-def _spawn(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[int, int]:
+def _spawn(spec: str, world_size: int, tmp: str, env: dict[str, str], cwd: str) -> dict[int, int]:
     """One interpreter per rank, each dying with this launcher; pid -> rank."""
     me, procs = os.getpid(), {}
     for r in range(world_size):
@@ -193,6 +197,7 @@ def _spawn(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> dict[in
                 [sys.executable, "-m", "muon_dtensor.tools.rank", spec, str(r), str(world_size), tmp],
                 stderr=log,
                 env=env,
+                cwd=cwd,
                 preexec_fn=lambda: die_with_parent(me),  # noqa: PLW1509 - one call, then exec
             )
         procs[proc.pid] = r
