@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "result"]
+__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "result", "run"]
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
@@ -51,21 +51,22 @@ def job(name: str) -> Callable[[F], F]:
     return register
 
 
+def run(argv: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, **kwargs)`` through ``popen``; past
+    ``timeout`` seconds the run is killed (its return code then -9) instead of raising."""
+    proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any:
-    """Register the job ``name`` that runs ``argv`` (``subprocess.run``'s ``capture_output=True,
-    text=True`` and ``kwargs``, whose ``env`` should come from ``environ``) and return its fixture,
-    also named ``name``: assign it in the module."""
-
-    def run(folder: Path) -> subprocess.CompletedProcess[str]:
-        proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill(proc)
-            out, err = proc.communicate()
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-    job(name)(run)
+    """Register the job ``name`` that is ``run(argv, timeout=timeout, **kwargs)`` (``env`` should
+    come from ``environ``) and return its fixture, also named ``name``: assign it in the module."""
+    job(name)(lambda folder: run(argv, timeout=timeout, **kwargs))
     return pytest.fixture(name=name)(lambda: result(name))
 
 

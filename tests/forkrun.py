@@ -9,7 +9,6 @@ interpreter start (seconds of CPU each); tests/test_examples.py still launches w
 
 from __future__ import annotations
 
-import importlib
 import os
 import runpy
 import signal
@@ -18,14 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from muon_dtensor.tools.launcher import OURS, PRELOAD, fork_ranks
+from muon_dtensor.tools.launcher import fork_ranks, preload
 
 GRACE = 5.0  # seconds the other ranks get once one has failed
 
 
 def main(nproc: int, script: str, args: list[str]) -> int:
-    for name in (*PRELOAD, *OURS):
-        importlib.import_module(name)
+    preload()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from muon_dtensor.tools.launcher import exit_code
 from muon_dtensor.tools.testing import RankError
 
 __all__ = ["STARTS", "RankError", "run_ranks", "shutdown"]
@@ -223,10 +224,8 @@ class _Worker:
         self.launcher, self.exit, self.stdin = launcher, folder / f"exit{rank}", stdin
 
     def poll(self) -> int | None:
-        if self.exit.exists():
-            with contextlib.suppress(ValueError):
-                return int(self.exit.read_text())
-        return self.launcher.poll()
+        code = exit_code(self.exit)
+        return code if code is not None else self.launcher.poll()
 
 
 def _judge(outcomes: dict, exits: list[int | None], hung: bool, timeout: float, stderr: str) -> list[Any]:
@@ -259,12 +258,9 @@ atexit.register(shutdown)
 def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
     """The pool's launcher: import once, fork one worker per rank (its task pipe as stdin, its
     stderr to its own log), record each worker's exit code as it is reaped."""
-    import importlib
+    from muon_dtensor.tools.launcher import fork_ranks, preload, rank_stderr, reap
 
-    from muon_dtensor.tools.launcher import OURS, PRELOAD, fork_ranks, rank_stderr
-
-    for name in (*PRELOAD, *OURS):
-        importlib.import_module(name)
+    preload()
 
     def worker(rank: int) -> int:
         rank_stderr(folder / f"stderr{rank}")
@@ -272,12 +268,7 @@ def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
         _serve(folder, rank, world_size)  # leaves with os._exit
         return 1
 
-    workers = fork_ranks(world_size, worker)
-    while workers:
-        pid, status = os.wait()
-        part = folder / f"exit{workers[pid]}.part"
-        part.write_text(str(os.waitstatus_to_exitcode(status)))
-        part.rename(folder / f"exit{workers.pop(pid)}")
+    reap(fork_ranks(world_size, worker), folder)
     os._exit(0)
 
 

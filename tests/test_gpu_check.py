@@ -29,10 +29,7 @@ STATUSES = {"ok", "skipped", "error"}
 
 def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return background.run([sys.executable, str(SCRIPT), *args], env=env, cwd=ROOT, timeout=120)
 
 
 @background.job("gpu_check_dry_run")

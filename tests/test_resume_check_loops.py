@@ -56,9 +56,7 @@ def _run(script: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str
     cwd.mkdir(exist_ok=True)
     env = background.environ()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    return background.run([sys.executable, str(script), *args], cwd=cwd, env=env, timeout=600)
 
 
 def _bitwise(done: subprocess.CompletedProcess[str]) -> None:

@@ -31,7 +31,10 @@ from pathlib import Path
 
 from .rank import worker
 
-__all__ = ["OURS", "PRELOAD", "Launch", "die_with_parent", "fork_ranks", "launch", "rank_stderr"]
+__all__ = [
+    "OURS", "PRELOAD", "Launch", "die_with_parent", "exit_code", "fork_ranks", "launch", "preload", "rank_stderr",
+    "reap",
+]  # fmt: skip
 
 # What every rank imports anyway; the environment is the ranks' own, so an import reads the same.
 PRELOAD = (
@@ -59,7 +62,7 @@ class Launch:
         self.proc, self.tmp, self.world_size, self._done = proc, tmp, world_size, done
 
     def poll(self) -> int | None:
-        codes = [_exit_code(self.tmp / f"exit{r}") for r in range(self.world_size)]
+        codes = [exit_code(self.tmp / f"exit{r}") for r in range(self.world_size)]
         code = max(codes) if None not in codes else self.proc.poll()  # type: ignore[type-var]
         if code is not None:
             self._done()
@@ -144,31 +147,42 @@ def _nothing() -> None:
     pass
 
 
-def _exit_code(path: Path) -> int | None:
+def exit_code(path: Path) -> int | None:
+    """The exit code ``reap`` wrote to ``path``; None until it has."""
     try:
         return int(path.read_text())
     except (OSError, ValueError):  # not reaped yet
         return None
 
 
-def _serve(parent: int) -> None:
-    """The launcher: import, then for each request (a line of its input) fork its ranks and reap
-    them, writing each rank's exit code to ``exit<rank>`` in the launch's folder; leave at its end."""
-    die_with_parent(parent)
+def preload() -> None:
+    """What a launcher imports before it forks: ``PRELOAD``, then ``OURS`` where they import."""
     for name in PRELOAD:
         importlib.import_module(name)
     for name in OURS:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+
+
+def reap(ranks: dict[int, int], folder: Path) -> None:
+    """Wait for every child in ``ranks`` (pid -> rank), writing each one's exit code to
+    ``folder/exit<rank>`` as it is reaped (whole, by a rename)."""
+    while ranks:
+        pid, status = os.wait()
+        part = folder / f"exit{ranks[pid]}.part"
+        part.write_text(str(os.waitstatus_to_exitcode(status)))
+        part.rename(folder / f"exit{ranks.pop(pid)}")
+
+
+def _serve(parent: int) -> None:
+    """The launcher: import, then for each request (a line of its input) fork its ranks and reap
+    them, writing each rank's exit code to ``exit<rank>`` in the launch's folder; leave at its end."""
+    die_with_parent(parent)
+    preload()
     threaded = len(os.listdir("/proc/self/task")) > 1  # a thread now would be copied half-way into a fork
     for line in sys.stdin:
         spec, world_size, tmp, env, cwd = json.loads(line)
-        ranks = (_spawn if threaded else _fork)(spec, world_size, tmp, env, cwd)
-        while ranks:
-            pid, status = os.wait()
-            part = Path(tmp, f"exit{ranks[pid]}.part")
-            part.write_text(str(os.waitstatus_to_exitcode(status)))
-            part.rename(Path(tmp, f"exit{ranks.pop(pid)}"))
+        reap((_spawn if threaded else _fork)(spec, world_size, tmp, env, cwd), Path(tmp))
     os._exit(0)
 
 
