@@ -110,6 +110,8 @@ def _resolve(entry: Entry) -> tuple[Any, Any]:
             pytest.fail(f"docs/api.md line {entry.line}: {entry.module} has no {entry.name}")
     if dataclasses.is_dataclass(owner) and last in {f.name for f in dataclasses.fields(owner)}:
         return owner, None
+    if inspect.ismodule(owner):
+        getattr(owner, last, None)  # a lazy name (the package's __getattr__) loads on first access
     obj = inspect.getattr_static(owner, last, _MISSING)
     if obj is _MISSING:
         pytest.fail(f"docs/api.md line {entry.line}: {entry.module} has no {entry.name}")
