@@ -1,12 +1,12 @@
-"""bf16 momentum against fp32 momentum on the demo's training run, one process.
+"""bf16 and 8-bit momentum against fp32 momentum on the demo's training run, one process.
 
 The demo's model (``muon_dtensor.demo.model.TinyLM``, ``ModelConfig`` sizes unless ``--dim`` /
 ``--layers`` say otherwise), data (the generated corpus, the demo's batches: 16 sequences per step as
 2 micro-batches of 8) and optimizer (``split_params`` with the demo's AdamW names and options, Muon
 lr 0.02, weight decay 0.1, the demo's Newton-Schulz dtype for this CPU) trained for ``--steps``
-steps four times from the same seed: fp32 momentum twice (the second run checks that the run is
+steps five times from the same seed: fp32 momentum twice (the second run checks that the run is
 deterministic, so every difference below is the momentum dtype's), ``momentum_dtype=torch.bfloat16``
-once, and, for scale, fp32 momentum with the other Newton-Schulz dtype (bf16 <-> fp32: a precision
+once, ``momentum_dtype=torch.int8`` (8-bit blocks, arXiv 2509.23106's linear scheme) once, and, for scale, fp32 momentum with the other Newton-Schulz dtype (bf16 <-> fp32: a precision
 choice the library already makes, bf16 by default). Printed: momentum state bytes and their ratio, the final step's loss, the loss on a held-out
 batch after training, the largest |loss difference| over the run, the relative difference of the final
 parameters ``||p_bf16 - p_fp32|| / ||p_fp32||`` (all parameters, and the Muon matrices alone) and the
@@ -100,50 +100,48 @@ def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: list
     return (diff / norm) ** 0.5
 
 
-def compare(
-    fp32: dict[str, Any], again: dict[str, Any], bf16: dict[str, Any], other_ns: dict[str, Any]
-) -> dict[str, Any]:
+NARROW = {"bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def drift(run: dict[str, Any], fp32: dict[str, Any]) -> dict[str, Any]:
+    """A run's difference from the fp32-momentum run: losses, held-out loss, final parameters."""
     everything = list(fp32["params"])
-    if relative(again["params"], fp32["params"], everything) or again["losses"] != fp32["losses"]:
-        raise RuntimeError("two fp32-momentum runs differ: the run is not deterministic here")
     return {
-        "other_ns_dtype_for_scale": {
-            "max_abs_loss_diff": max(abs(a - b) for a, b in zip(fp32["losses"], other_ns["losses"])),
-            "param_rel_diff": relative(other_ns["params"], fp32["params"], everything),
-            "muon_param_rel_diff": relative(other_ns["params"], fp32["params"], fp32["muon_names"]),
-            "held_out_loss": other_ns["held_out"],
-        },
-        "momentum_bytes": {"fp32": fp32["momentum_bytes"], "bf16": bf16["momentum_bytes"]},
-        "bytes_ratio": bf16["momentum_bytes"] / fp32["momentum_bytes"],
-        "final_loss": {"fp32": fp32["losses"][-1], "bf16": bf16["losses"][-1]},
-        "held_out_loss": {"fp32": fp32["held_out"], "bf16": bf16["held_out"]},
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"])),
-        "param_rel_diff": relative(bf16["params"], fp32["params"], everything),
-        "muon_param_rel_diff": relative(bf16["params"], fp32["params"], fp32["muon_names"]),
-        "step_seconds": {"fp32": fp32["step_seconds"], "bf16": bf16["step_seconds"]},
-        "losses": {"fp32": fp32["losses"], "bf16": bf16["losses"]},
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(fp32["losses"], run["losses"])),
+        "param_rel_diff": relative(run["params"], fp32["params"], everything),
+        "muon_param_rel_diff": relative(run["params"], fp32["params"], fp32["muon_names"]),
+        "held_out_loss": run["held_out"],
+        "final_loss": run["losses"][-1],
+        "momentum_bytes": run["momentum_bytes"],
+        "bytes_ratio": run["momentum_bytes"] / fp32["momentum_bytes"],
+        "step_seconds": run["step_seconds"],
+        "losses": run["losses"],
     }
 
 
-def table(r: dict[str, Any]) -> str:
-    o = r["other_ns_dtype_for_scale"]
+def compare(fp32: dict[str, Any], again: dict[str, Any], others: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each of ``others`` (by name) against fp32 momentum, after checking the run is deterministic."""
+    if relative(again["params"], fp32["params"], list(fp32["params"])) or again["losses"] != fp32["losses"]:
+        raise RuntimeError("two fp32-momentum runs differ: the run is not deterministic here")
+    return {"fp32": drift(fp32, fp32)} | {name: drift(run, fp32) for name, run in others.items()}
+
+
+def table(r: dict[str, Any], other_ns: str) -> str:
+    names = [n for n, v in r.items() if isinstance(v, dict) and n != "other_ns"]
+    lines = ["| | " + " | ".join(f"{n} momentum" for n in names) + f" | fp32 momentum, NS {other_ns} |"]
+    lines.append("|---|" + "---:|" * (len(names) + 1))
     rows = [
-        ("momentum state bytes", f"{r['momentum_bytes']['fp32']:,}", f"{r['momentum_bytes']['bf16']:,}"),
-        ("final step's loss", f"{r['final_loss']['fp32']:.4f}", f"{r['final_loss']['bf16']:.4f}"),
-        ("held-out loss after training", f"{r['held_out_loss']['fp32']:.4f}", f"{r['held_out_loss']['bf16']:.4f}"),
-        ("median optimizer step, ms", f"{1e3 * r['step_seconds']['fp32']:.2f}", f"{1e3 * r['step_seconds']['bf16']:.2f}"),
-    ]  # fmt: skip
-    lines = ["| | fp32 momentum | bf16 momentum |", "|---|---:|---:|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += [
-        f"\nmomentum bytes ratio bf16 / fp32: {r['bytes_ratio']:.3f}",
-        f"largest |loss difference| over the run: {r['max_abs_loss_diff']:.2e}",
-        f"final parameters ||p_bf16 - p_fp32|| / ||p_fp32||: {r['param_rel_diff']:.2e} "
-        f"(Muon matrices alone: {r['muon_param_rel_diff']:.2e})",
-        f"for scale, fp32 momentum with Newton-Schulz in {r['other_ns_dtype']} instead: largest |loss "
-        f"difference| {o['max_abs_loss_diff']:.2e}, parameters {o['param_rel_diff']:.2e} (Muon matrices "
-        f"{o['muon_param_rel_diff']:.2e}), held-out loss {o['held_out_loss']:.4f}",
+        ("momentum state bytes", lambda d: f"{d['momentum_bytes']:,}"),
+        ("bytes / fp32 momentum's", lambda d: f"{d['bytes_ratio']:.3f}"),
+        ("final step's loss", lambda d: f"{d['final_loss']:.4f}"),
+        ("held-out loss after training", lambda d: f"{d['held_out_loss']:.4f}"),
+        ("largest \\|loss diff\\| from fp32", lambda d: f"{d['max_abs_loss_diff']:.2e}"),
+        ("final parameters, relative diff", lambda d: f"{d['param_rel_diff']:.2e}"),
+        ("Muon matrices, relative diff", lambda d: f"{d['muon_param_rel_diff']:.2e}"),
+        ("median optimizer step, ms", lambda d: f"{1e3 * d['step_seconds']:.2f}"),
     ]
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(r[n]) for n in [*names, "other_ns"]) + " |")
     return "\n".join(lines)
 
 
@@ -160,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     other = "float32" if ns_dtype == "bfloat16" else "bfloat16"
-    runs = [train(cfg, args.steps, ns_dtype, d) for d in (None, None, torch.bfloat16)]
-    result = compare(*runs, train(cfg, args.steps, other, None)) | {"other_ns_dtype": other}
-    print(table(result))
-    print(f"\n4 runs in {time.perf_counter() - start:.1f} s", flush=True)
+    fp32, again = (train(cfg, args.steps, ns_dtype, None) for _ in range(2))
+    others = {name: train(cfg, args.steps, ns_dtype, d) for name, d in NARROW.items()}
+    others["other_ns"] = train(cfg, args.steps, other, None)
+    result = compare(fp32, again, others) | {"other_ns_dtype": other}
+    print(table(result, other))
+    print(f"\n5 runs in {time.perf_counter() - start:.1f} s", flush=True)
     out = {
         "config": results_config(args) | {"ns_dtype": ns_dtype, "parameters": count},
         "system": system_info(),

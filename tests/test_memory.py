@@ -79,6 +79,19 @@ def test_one_process_bf16_momentum(model: str) -> None:
     _check(*_stepped(net, momentum_dtype=torch.bfloat16), momentum_item=2)
 
 
+@pytest.mark.parametrize("model", ["stack", "many_small"])
+def test_one_process_int8_momentum(model: str) -> None:
+    """A byte per element and a float32 maximum per block of 256 columns. The momentum pass's peak
+    is one stacked chunk's float32 copies (shapes whose rows end in a short block included)."""
+    torch.manual_seed(0)
+    net = Stack() if model == "stack" else nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(200)))
+    opt, measured, predicted = _stepped(net, momentum_dtype=torch.int8)
+    muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+    assert predicted["momentum"] == sum(p.numel() + 4 * p.shape[0] * -(-p.shape[1] // 256) for p in muon)
+    assert sum(predicted.values()) - predicted["peak_transient"] == _state_total(opt)
+    assert abs(predicted["peak_transient"] - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
 def _on_ranks(max_round_bytes: int | None) -> tuple[int, int, int]:
     """Rank function: FSDP2 on 2 ranks; checks this rank's figures, returns the measured and
     predicted peaks and the rounds of the plan."""

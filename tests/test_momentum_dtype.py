@@ -39,7 +39,7 @@ def _bufs(opt: Muon, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     return [opt.state[p]["momentum_buffer"] for p in params]
 
 
-@pytest.mark.parametrize("value", [torch.int8, torch.complex64])
+@pytest.mark.parametrize("value", [torch.int16, torch.uint8, torch.complex64])
 def test_bad_values_are_refused_naming_value_and_fix(value: Any) -> None:
     with pytest.raises(ValueError, match=r"momentum_dtype should be None .* but is: .*; pass one of them"):
         Muon(_params(), momentum_dtype=value)

@@ -17,8 +17,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checks.warn import warn
+from ._errors import CheckpointError
 
-__all__ = ["converted_momentum", "warn_converted_momentum"]
+__all__ = ["converted_momentum", "refuse_int8_conversion", "warn_converted_momentum"]
 
 _SUFFIX = ".momentum_buffer"
 
@@ -59,3 +60,22 @@ def warn_converted_momentum(
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def refuse_int8_conversion(
+    folder: Path, metadata: Metadata, flat_state: Mapping[str, Any], prefix: str
+) -> None:
+    """8-bit momentum (int8 blocks beside their float32 maxima) converts to and from a float dtype
+    in memory only: DCP's ``copy_`` would read the int8 values as momentum. Raise, naming the
+    buffers and the way on, before anything is read."""
+    pairs = [(n, a, b) for n, a, b in converted_momentum(metadata, flat_state, prefix) if "int8" in (a, b)]
+    if not pairs:
+        return
+    shown = ", ".join(f"'{n}' {a} -> {b}" for n, a, b in pairs[:8])
+    more = f" and {len(pairs) - 8} more" if len(pairs) > 8 else ""
+    raise CheckpointError(
+        f"{folder}: momentum buffers saved in another momentum_dtype, one of them 8-bit (int8 blocks "
+        f"and their maxima), cannot be converted as they load: {shown}{more}. Nothing was loaded. "
+        f"Load with momentum_dtype=torch.{pairs[0][1]} for their group, then set the group's "
+        f"'momentum_dtype' to {pairs[0][2]!r}: the next step converts the buffers in memory"
+    )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ._dtypes import warn_converted_momentum
+from ._dtypes import refuse_int8_conversion, warn_converted_momentum
 from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
 from .layout import Layout
@@ -50,6 +50,7 @@ def check_compatible(
     A weights-only load ignores the checkpoint's optimizer entries. ``groups``: the FQNs of each
     of this rank's param groups (format 2), whose saved settings must agree within a group."""
     parts = {layout.part(k) for k in flat_state} - {"other"}
+    refuse_int8_conversion(folder, metadata, flat_state, layout.optim + "state.")
     entries = {k: v for k, v in metadata.state_dict_metadata.items() if layout.part(k) in parts}
     saved = {k: tuple(v.size) for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     wanted = tensor_keys(flat_state)

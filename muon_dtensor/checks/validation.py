@@ -49,7 +49,8 @@ Owners = Literal["auto", "mesh", "replica"]
 OWNERS: tuple[str, ...] = get_args(Owners)
 NSSplit = Literal["off", "auto"] | int
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-MOMENTUM_DTYPES = ("bfloat16", "float32", "float64")  # float16: refused (momentum_dtype_name)
+# float16: refused (momentum_dtype_name); int8: blockwise 8-bit with float32 block maxima (numerics/blockwise.py)
+MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
 
 def _check_lr(lr: float | Tensor) -> None:
@@ -183,9 +184,9 @@ def momentum_dtype_name(dtype: Any) -> str | None:
     if isinstance(dtype, (str, torch.dtype)) and name in MOMENTUM_DTYPES:
         return name
     raise ValueError(
-        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float32 or "
-        f"torch.float64 but is: {dtype!r}; pass one of them (torch.bfloat16 halves the momentum of "
-        "float32 parameters)"
+        f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float32, "
+        f"torch.float64 or torch.int8 but is: {dtype!r}; pass one of them (torch.bfloat16 halves the "
+        "momentum of float32 parameters, torch.int8 keeps a quarter of it in 8-bit blocks)"
     )
 
 
@@ -194,7 +195,7 @@ def check_momentum_dtype_argument(value: Any, where: str = "Muon(momentum_dtype=
     (groups store the name, but a name is no argument)."""
     if value is not None and not isinstance(value, torch.dtype):
         raise ValueError(
-            f"{where} should be a torch.dtype (torch.bfloat16, torch.float32, torch.float64) or None "
+            f"{where} should be a torch.dtype (torch.bfloat16, torch.float32, torch.float64, torch.int8) or None "
             f"but is {value!r} ({type(value).__name__}); pass the dtype itself, e.g. torch.bfloat16"
         )
 

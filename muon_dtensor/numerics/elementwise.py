@@ -25,7 +25,9 @@ __all__ = [
     "apply_updates",
     "buckets",
     "empty_like_all",
+    "momentum_rule",
     "muon_momentum",
+    "copy_all",
     "nesterov_inputs",
     "scale_results",
     "scale_updates",
@@ -69,7 +71,7 @@ def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
         t.mul_(v)
 
 
-def _copy_(dst: list[Tensor], src: list[Tensor]) -> None:
+def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
     """``dst[i].copy_(src[i])`` (casting): one multi-tensor call when each list has one dtype.
 
     Mixed dtypes copy one tensor at a time: pytorch/pytorch#173383 (January 2026) reports CUDA's
@@ -105,7 +107,7 @@ def muon_momentum(
     if nesterov:
         source = list(torch._foreach_mul(source, momentum))
         torch._foreach_add_(source, scaled)
-    _copy_(list(out), source)
+    copy_all(list(out), source)
 
 
 def _widened(tensors: list[Tensor], dtypes: list[torch.dtype]) -> list[Tensor]:
@@ -114,7 +116,7 @@ def _widened(tensors: list[Tensor], dtypes: list[torch.dtype]) -> list[Tensor]:
     fresh = [i for i, (t, d) in enumerate(zip(tensors, dtypes)) if t.dtype != d]
     if fresh:
         copies = empty_like_all([tensors[i] for i in fresh], [dtypes[i] for i in fresh])
-        _copy_(copies, [tensors[i] for i in fresh])
+        copy_all(copies, [tensors[i] for i in fresh])
         for i, copy in zip(fresh, copies):
             out[i] = copy
     return out
@@ -129,23 +131,33 @@ def _momentum_apart(
     unrounded result, so this step's update is the wide-momentum step's (docs/design.md)."""
     wide = [torch.promote_types(b.dtype, g.dtype) for b, g in zip(bufs, grads)]
     work = empty_like_all(bufs, wide)
-    _copy_(work, bufs)
+    copy_all(work, bufs)
+    source = momentum_rule(work, grads, wide, momentum, nesterov)
+    copy_all(bufs, work)
+    copy_all(out, source)
+
+
+def momentum_rule(
+    work: list[Tensor], grads: list[Tensor], wide: list[torch.dtype], momentum: float, nesterov: bool
+) -> list[Tensor]:
+    """``work <- m work + (1 - m) g`` in place, on ``grads`` widened to ``wide`` (``work``'s
+    dtypes, float32 or float64); returns the Newton-Schulz source: ``work``, or with Nesterov
+    ``(1 - m) g + m work`` as fresh tensors."""
     scaled = torch._foreach_mul(_widened(grads, wide), 1.0 - momentum)
     _mul_(work, momentum)
     torch._foreach_add_(work, scaled)
-    _copy_(bufs, work)
-    source = work
-    if nesterov:
-        source = list(torch._foreach_mul(work, momentum))
-        torch._foreach_add_(source, scaled)
-    _copy_(out, source)
+    if not nesterov:
+        return work
+    source = list(torch._foreach_mul(work, momentum))
+    torch._foreach_add_(source, scaled)
+    return source
 
 
 def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[float]) -> None:
     """``out <- adjusted_lr * update``, in ``out``'s dtype (the parameter's): a cast, then a multiply."""
     if not updates:
         return
-    _copy_(list(out), list(updates))
+    copy_all(list(out), list(updates))
     _mul_(list(out), list(adjusted_lrs))
 
 

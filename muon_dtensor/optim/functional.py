@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..numerics.blockwise import int8_nesterov_inputs
 from ..numerics.elementwise import (
     adamw_update,
     adjust_lr,
@@ -87,14 +88,19 @@ def muon_step(
     stats: CommStats | None = None,
     *,
     second_moments: Sequence[Tensor] | None = None,
+    absmaxes: Sequence[Tensor] | None = None,
     base: Orthogonalize = orthogonalize,
 ) -> None:
     """Update local tensors ``params`` (with local ``grads`` and momentum ``bufs``) in place; with
     ``hyper.normuon``, also the local NorMuon ``second_moments`` (a column, or none on the ranks that
     do not hold the parameter's column 0), and the domains' views have their ``lead`` columns.
     ``base``: how an owner orthogonalizes a batch of full matrices (``resolve_orthogonalize`` makes
-    the group's one compute of it)."""
-    ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
+    the group's one compute of it). ``absmaxes``: the block maxima of 8-bit ``bufs``
+    (``momentum_dtype="int8"``), None for float buffers."""
+    if absmaxes is None:
+        ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
+    else:
+        ns_in = int8_nesterov_inputs(bufs, absmaxes, grads, hyper.momentum, hyper.nesterov, config.dtype)
     compute = _timed(resolve_orthogonalize(hyper, config, base), stats)
     if hyper.normuon:
         assert second_moments is not None, "a NorMuon step needs its second moments"

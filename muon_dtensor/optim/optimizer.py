@@ -35,6 +35,7 @@ from .group_sharding import GroupSharding
 from .plan_cache import PlanCache
 from .state import (
     MOMENTUM,
+    MOMENTUM_ABSMAX,
     SECOND_MOMENT,
     StateWalks,
     follow_replaced,
@@ -195,6 +196,9 @@ class Muon(report.Reports, Optimizer):
             self.comm_stats,
             second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
             if group.get("normuon")
+            else None,
+            absmaxes=[local_of(self.state[p][MOMENTUM_ABSMAX]) for p in params]
+            if group.get("momentum_dtype") == "int8"
             else None,
             base=self._orthogonalize,
         )

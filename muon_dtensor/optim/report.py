@@ -25,7 +25,7 @@ from ..sharding.runtime.comm import CommStats
 from .group_sharding import GroupSharding
 from .plan_cache import PlanCache
 from .policy import split_policy
-from .state import SECOND_MOMENT, momentum_dtype
+from .state import MOMENTUM_ABSMAX, SECOND_MOMENT, momentum_dtype
 
 __all__ = ["KINDS", "METRIC_SCOPES", "Reports", "describe", "log_once", "memory", "metrics", "state_bytes"]
 
@@ -63,6 +63,7 @@ class Reports:
 # State key -> the kind ``Muon.memory`` reports it under.
 KINDS = {
     "momentum_buffer": "momentum",
+    MOMENTUM_ABSMAX: "momentum",  # int8 momentum's block maxima: part of its bytes
     SECOND_MOMENT: "normuon_second_moment",
     "exp_avg": "adamw_moments",
     "exp_avg_sq": "adamw_moments",

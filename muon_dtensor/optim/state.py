@@ -12,11 +12,14 @@ import torch
 from torch import Tensor
 
 from ..checks.names import param_names
+from ..checks.param_checks import check_int8_layouts
 from ..checks.warn import warn
-from ..sharding.plan.param_layout import local_of, relayout, row_state_zeros
+from ..numerics.blockwise import dequantize, quantize
+from ..sharding.plan.param_layout import block_state_zeros, local_of, relayout, row_state_zeros
 
 __all__ = [
     "MOMENTUM",
+    "MOMENTUM_ABSMAX",
     "SECOND_MOMENT",
     "Conversion",
     "follow_replaced",
@@ -35,6 +38,7 @@ __all__ = [
 
 MOMENTUM = "momentum_buffer"  # torch.optim.Muon's state key
 SECOND_MOMENT = "second_momentum_buffer"  # NorMuon's state key, the official implementation's name
+MOMENTUM_ABSMAX = "momentum_absmax"  # int8 momentum's float32 block maxima (numerics/blockwise.py)
 State = MutableMapping[Tensor, dict[str, Any]]
 Conversion = tuple[int, int, torch.dtype, torch.dtype]  # group, position in it, saved and new dtype
 
@@ -63,11 +67,35 @@ def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> torch.dtype
             mine[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     if muon and group.get("normuon", False) and SECOND_MOMENT not in mine:
         mine[SECOND_MOMENT] = row_state_zeros(p)  # one value per row, laid out with p
+    if muon and mine[MOMENTUM].dtype == torch.int8 and MOMENTUM_ABSMAX not in mine:
+        mine[MOMENTUM_ABSMAX] = block_state_zeros(p)  # a fresh int8 buffer: zeros, exact
     old = mine[MOMENTUM].dtype if muon else None
     if old is not None and old != momentum_dtype(group, p):
-        mine[MOMENTUM] = mine[MOMENTUM].to(momentum_dtype(group, p))  # one rounding, or exact widening
+        convert_momentum(mine, p, momentum_dtype(group, p))  # one rounding, or exact widening
         return old
     return None
+
+
+def convert_momentum(mine: dict[str, Any], p: Tensor, dtype: torch.dtype) -> None:
+    """``p``'s momentum buffer in ``dtype``, in place in its state ``mine``: a float cast, or to and
+    from 8-bit blocks (their maxima kept beside them) on the local shard, laid out as ``p``."""
+    buf = mine[MOMENTUM]
+    if buf.dtype != torch.int8 and dtype != torch.int8:
+        mine[MOMENTUM] = buf.to(dtype)
+        return
+    new = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    if dtype == torch.int8:
+        absmax = block_state_zeros(p)
+        q, scales = quantize(local_of(buf).to(torch.promote_types(buf.dtype, torch.float32)))
+        local_of(new).copy_(q)
+        local_of(absmax).copy_(scales)
+        mine[MOMENTUM_ABSMAX] = absmax
+    else:
+        absmax = mine.pop(MOMENTUM_ABSMAX)
+        local_of(new).copy_(
+            dequantize(local_of(buf), local_of(absmax), torch.promote_types(dtype, torch.float32))
+        )
+    mine[MOMENTUM] = new
 
 
 def init_params(
@@ -132,7 +160,7 @@ def refuse_overflow(
     ids = dict(zip(saved, chain(*(g["params"] for g in groups))))
     for key, buf in buffers.items():
         p = ids.get(key)
-        if p is None or not isinstance(buf, Tensor):
+        if p is None or not isinstance(buf, Tensor):  # no parameter's, or an int8 pair (no overflow)
             continue
         k, i = where[id(p)]
         dtype, local = momentum_dtype(groups[k], p), local_of(buf)
@@ -170,6 +198,9 @@ def take_momentum(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[A
     would round a buffer kept wider than its parameter."""
     states = {k: dict(v) if isinstance(v, Mapping) else v for k, v in state_dict["state"].items()}
     buffers = {k: v.pop(MOMENTUM) for k, v in states.items() if isinstance(v, dict) and MOMENTUM in v}
+    for k, v in states.items():  # int8 buffers' float32 maxima: kept out of the cast as well
+        if isinstance(v, dict) and MOMENTUM_ABSMAX in v:
+            buffers[k] = (buffers[k], v.pop(MOMENTUM_ABSMAX))
     return {**state_dict, "state": states}, buffers
 
 
@@ -184,12 +215,13 @@ def put_momentum(
     ids = dict(
         zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups)))
     )
-    for key, buf in buffers.items():
+    for key, value in buffers.items():
         p = ids.get(key)
-        if p is None:
-            state[key][MOMENTUM] = buf  # state of no parameter: kept as is, as torch keeps it
-        else:
-            state[p][MOMENTUM] = buf.to(device=p.device)
+        buf, absmax = value if isinstance(value, tuple) else (value, None)
+        where = state[key] if p is None else state[p]  # state of no parameter: kept, as torch keeps it
+        where[MOMENTUM] = buf if p is None else buf.to(device=p.device)
+        if absmax is not None:
+            where[MOMENTUM_ABSMAX] = absmax if p is None else absmax.to(device=p.device)
 
 
 def settle_loaded(state: State, groups: Sequence[Mapping[str, Any]]) -> list[Conversion]:
@@ -231,6 +263,8 @@ class StateWalks:
         )
         if key == self._key:
             return []
+        for i, g in enumerate(groups):  # a group switched to int8: its layouts first, alike on every rank
+            check_int8_layouts(g, param_names(g, i))
         follow_replaced(state, groups, seen)
         converted = [
             c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...numerics.blockwise import CHUNK_ELEMENTS
 from .blocks import block_numels
 from .build import EVERYONE, MatrixEntry, Plan
 
@@ -29,12 +30,26 @@ __all__ = [
     "bucket_sizes",
     "exchange_peak",
     "group_peak",
+    "int8_chunk",
     "ns_workspace",
     "overlapped",
     "round_sizes",
 ]
 
 Shape = tuple[int, int]
+# int8 momentum's float32 copies of a chunk alive at once (blockwise.int8_momentum): the scaled
+# gradient, the working momentum and the two of the next op's inputs and result.
+INT8_COPIES = 4
+
+
+def int8_chunk(numels: Sequence[int]) -> int:
+    """The elements of int8 momentum's largest stacked chunk (``blockwise._chunks``): tensors of one
+    size (standing in for one shape), as many as fit in ``CHUNK_ELEMENTS``, one at least."""
+    counts: dict[int, int] = {}
+    for n in numels:
+        if n:
+            counts[n] = counts.get(n, 0) + 1
+    return max((n * min(k, max(1, CHUNK_ELEMENTS // n)) for n, k in counts.items()), default=0)
 
 
 @dataclass(frozen=True)
@@ -220,6 +235,8 @@ def group_peak(
         wide = max(param_item, momentum_item)
         per = wide * (2 + int(nesterov) + int(param_item < wide))
     temps = max(bucket_sizes(numels, cpu=cpu) or [0]) * per
+    if momentum_item == 1:  # int8 blocks (blockwise.int8_momentum): float32 copies of one chunk
+        temps = int8_chunk(numels) * (4 * INT8_COPIES + 1 + int(nesterov))
     updates = sum(n for n, a in zip(numels, assembled) if a) * param_item
     exchange = 0
     for plan, me, positions in domains:

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 
+from ...numerics.blockwise import absmax_shape
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 from .compat import _StridedShard, local_tensor
 
@@ -24,6 +25,7 @@ __all__ = [
     "relayout",
     "replica_count",
     "row_state_zeros",
+    "block_state_zeros",
     "local_grad",
     "local_of",
     "same_layout",
@@ -218,13 +220,23 @@ def row_state_zeros(p: Tensor) -> Tensor:
     return dtensor_zeros(shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=p.placements)
 
 
+def block_state_zeros(p: Tensor) -> Tensor:
+    """float32 zeros of ``blockwise.absmax_shape(p.shape)`` (int8 momentum's block maxima), laid
+    out with ``p``'s mesh and placements: with blocks whole on every shard (``check_params``), each
+    rank's maxima are those of its own blocks."""
+    shape = absmax_shape(p.shape)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
+    return dtensor_zeros(shape, dtype=torch.float32, device_mesh=p.device_mesh, placements=p.placements)
+
+
 def relayout(value: Tensor, old: Tensor, new: Tensor) -> Tensor:
     """A state tensor of parameter ``old`` (its shape, or one column of it: ``row_state_zeros``) laid
     out like its replacement ``new``, in ``new``'s dtype if it had ``old``'s, else in its own (a
     ``momentum_dtype`` buffer); a plain full tensor becomes ``new``'s local shard, cut locally.
     Scalars (step counters) stay."""
     shape = tuple(value.shape)
-    if value.ndim == 0 or shape not in (tuple(old.shape), (*old.shape[:-1], 1)):
+    if value.ndim == 0 or shape not in (tuple(old.shape), (*old.shape[:-1], 1), absmax_shape(old.shape)):
         return value
     full = value.full_tensor() if isinstance(value, DTensor) else value
     full = full.to(device=new.device, dtype=new.dtype if value.dtype == old.dtype else value.dtype)
