@@ -69,4 +69,4 @@ def __dir__() -> list[str]:
 
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).
-__version__ = "0.4.0"
+__version__ = "0.5.0"

@@ -239,3 +239,25 @@ def test_a_shard_that_cuts_a_block_and_a_float_checkpoint_are_refused_on_every_r
         assert errors[0] == errors[1] and "parameter 'w'" in errors[0], errors
         assert "columns [0, 150) of 300" in errors[0] and "multiple of 256 columns" in errors[0], errors[0]
         assert "'a' float32 -> int8" in errors[2] and "Nothing was loaded" in errors[2], errors[2]
+
+
+def _momentum_ops(count: int) -> int:
+    """Top-level aten ops of the 8-bit momentum pass over ``count`` matrices of each of 3 shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.bench_host import _is_op, _top_level
+    from muon_dtensor.numerics.blockwise import absmax_shape, int8_nesterov_inputs
+
+    shapes = [(8, 300), (16, 256), (4, 40)] * count
+    qs = [torch.zeros(s, dtype=torch.int8) for s in shapes]
+    absmaxes = [torch.zeros(absmax_shape(s)) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        int8_nesterov_inputs(qs, absmaxes, grads, 0.95, True, torch.bfloat16)
+    return sum(1 for e in prof.profiler.function_events if _is_op(e.name) and _top_level(e))
+
+
+def test_the_host_issues_ops_per_shape_not_per_parameter() -> None:
+    """Stacked per shape: 4 times the parameters of the same 3 shapes add only the stacks' and
+    copies' list arguments, not ops (the allocation of the inputs grows with shapes as well)."""
+    assert _momentum_ops(8) == _momentum_ops(2)

@@ -23,7 +23,8 @@ MUON_ARGS = r"""
             RMS to match (r sqrt(max(rows, cols))); from the global shape (default: None).
         ns_dtype: Newton-Schulz and transfer dtype, torch.bfloat16 (default) or torch.float32.
         momentum_dtype: dtype of the momentum buffer: None (the parameter's, as torch.optim.Muon;
-            default), torch.bfloat16, torch.float16, torch.float32 or torch.float64. A buffer in
+            default), torch.bfloat16, torch.float32, torch.float64, or torch.int8 (8-bit blocks of
+            256 columns with a float32 maximum each, state "momentum_absmax"). A buffer in
             another dtype than its gradient is updated in the wider of the two and stored rounded
             once; this step's Newton-Schulz input is formed from the unrounded value. A load keeps
             this setting and converts a buffer saved in another dtype, with a warning. Muon groups
