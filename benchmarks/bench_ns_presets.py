@@ -1,13 +1,17 @@
 """Newton-Schulz presets side by side: how close to 1 each maps singular values, its flops and its time.
 
-Per preset (``PRESETS``: keller, you, polar_express, deepseek_v4, cans, cubic5), run for its own
-``PRESET_STEPS`` iterations (10 for deepseek_v4, else 5):
+Per preset (``PRESETS``: keller, you, polar_express, deepseek_v4, cans, cubic5, turbo_muon), run for
+its own ``PRESET_STEPS`` iterations (10 for deepseek_v4, 4 for turbo_muon, else 5); turbo_muon with
+``ns_algorithm="aol"`` (Turbo-Muon, which it requires), the others with the standard iteration:
 
 - **worst |s - 1|**: the largest distance from 1 of ``scalar_map`` (the polynomial the iteration
   applies to each singular value) over [BAND_INPUT_FLOOR, 1] of the normalized singular values, in
-  float64 on a grid of 10^6 points; ``PRESET_BANDS`` are this map's range;
+  float64 on a grid of 10^6 points; ``PRESET_BANDS`` are this map's range (for turbo_muon the
+  singular values after AOL's scaling, which also bounds them by 1);
 - **flops** per matrix (``ns_flops``, the standard iteration's count; cubic5's steps skip the A A
-  product, so it runs ``executed`` flops: 2 m^3 fewer per step);
+  product, so it runs ``executed`` flops: 2 m^3 fewer per step; AOL's scaling shares its A = X X^T
+  with step 1, so turbo_muon counts 4 standard steps, its m n + 4 m^2 elementwise flops uncounted
+  as the Frobenius division's 3 m n are);
 - **time** per matrix: ``newton_schulz`` on one matrix, median of ``--repeats`` calls, presets
   alternating within each round so load touches all alike; one torch thread; bf16 where the CPU
   multiplies it natively (``muon_dtensor.demo.cpu.probe``), fp32 where it emulates it (printed).
@@ -39,6 +43,7 @@ from benchmarks.common import load_snapshot, results_config, system_info, wait_f
 from muon_dtensor.checks.validation import resolve_ns_config  # noqa: E402
 from muon_dtensor.demo.cpu import probe  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
+    AOL_PRESETS,
     BAND_INPUT_FLOOR,
     PRESET_STEPS,
     PRESETS,
@@ -61,9 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_of(preset: str, dtype: torch.dtype) -> NSConfig:
+    """The preset as Muon runs it: its own steps; an AOL preset with ``ns_algorithm="aol"``."""
+    algorithm = "aol" if preset in AOL_PRESETS else "standard"
+    return resolve_ns_config(preset, PRESET_STEPS[preset], 1e-7, dtype, algorithm)
+
+
 def worst_deviation(preset: str) -> dict[str, float]:
     """The map's range over [BAND_INPUT_FLOOR, 1] and its largest distance from 1, float64."""
-    config = resolve_ns_config(preset, PRESET_STEPS[preset], 1e-7, torch.float32)
+    config = config_of(preset, torch.float32)
     s = torch.linspace(BAND_INPUT_FLOOR, 1.0, 1_000_001, dtype=torch.float64)
     mapped = scalar_map(s, config)
     return {"min": float(mapped.min()), "max": float(mapped.max()), "worst": float((mapped - 1).abs().max())}
@@ -93,7 +104,7 @@ def time_presets(configs: dict[str, NSConfig], shape: tuple[int, int], repeats: 
 
 def measure(dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
     """One row per preset: steps, deviation, and per shape flops, executed flops and ms."""
-    configs = {name: resolve_ns_config(name, PRESET_STEPS[name], 1e-7, dtype) for name in PRESETS}
+    configs = {name: config_of(name, dtype) for name in PRESETS}
     ms = {shape: time_presets(configs, shape, repeats) for shape in SHAPES}
     rows = []
     for name, config in configs.items():
@@ -121,7 +132,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             if s["executed_flops"] != s["flops"]:
                 flops += f" ({s['executed_flops'] / 1e9:.2f} run)"
             cells.append(f"{flops}, {s['ms']:.1f}")
-        head = f"| {r['preset']} | {r['steps']} | {r['min']:.3f} - {r['max']:.3f} | {r['worst']:.3f}"
+        name = f"{r['preset']} (aol)" if r["preset"] in AOL_PRESETS else r["preset"]
+        head = f"| {name} | {r['steps']} | {r['min']:.3f} - {r['max']:.3f} | {r['worst']:.3f}"
         lines.append(f"{head} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import (
+    AOL_PRESETS,
     BAND_INPUT_FLOOR,
     BATCH_ENV,
     PRESET_BANDS,
@@ -42,7 +43,11 @@ def _inputs() -> list[torch.Tensor]:
     return rand + ill
 
 
-@pytest.mark.parametrize("preset", sorted(PRESET_BANDS))
+# Bands over Frobenius-scaled inputs; turbo_muon's is over AOL-scaled ones (tests/test_aol.py).
+FROBENIUS_PRESETS = sorted(set(PRESET_BANDS) - AOL_PRESETS)
+
+
+@pytest.mark.parametrize("preset", FROBENIUS_PRESETS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_singular_values_follow_the_polynomial_and_stay_in_band(
     preset: str, dtype: torch.dtype, request: pytest.FixtureRequest

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from muon_dtensor import Muon
 from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import (
+    AOL_PRESETS,
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
     PRESET_STEPS,
@@ -106,9 +107,11 @@ def seeded_inputs() -> list[Tensor]:
 
 
 def float64_config(preset: str, steps: int | None = None) -> NSConfig:
-    """The preset as ``Muon(ns_coefficients=preset)`` resolves it, run in float64 (``resolve_ns_config``
-    accepts bfloat16 and float32 only)."""
-    config = resolve_ns_config(preset, PRESET_STEPS[preset] if steps is None else steps, 1e-7, torch.float32)
+    """The preset as ``Muon(ns_coefficients=preset)`` resolves it (turbo_muon with ns_algorithm="aol",
+    which it requires), run in float64 (``resolve_ns_config`` accepts bfloat16 and float32 only)."""
+    algorithm = "aol" if preset in AOL_PRESETS else "standard"
+    steps = PRESET_STEPS[preset] if steps is None else steps
+    config = resolve_ns_config(preset, steps, 1e-7, torch.float32, algorithm)
     return dataclasses.replace(config, dtype=torch.float64)
 
 

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..numerics.elementwise import ADJUST_LR
-from ..numerics.newton_schulz import ALGORITHMS, PRESETS, NSConfig, Triple
+from ..numerics.newton_schulz import ALGORITHMS, AOL_PRESETS, PRESET_STEPS, PRESETS, NSConfig, Triple
 from ..sharding.plan.build import MODES, check_mode
 from .param_checks import check_params
 
@@ -321,9 +321,10 @@ def resolve_ns_config(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(
-            f"ns_algorithm should be 'standard' or 'gram' but is: {algorithm!r}; 'gram' evaluates the "
-            "same Newton-Schulz polynomial on the small Gram matrix"
+            f"ns_algorithm should be 'standard', 'gram' or 'aol' but is: {algorithm!r}; 'gram' evaluates "
+            "the same Newton-Schulz polynomial on the small Gram matrix, 'aol' scales by AOL (Turbo-Muon)"
         )
+    _check_aol_preset(ns_coefficients, algorithm)
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
         raise ValueError(f"ns_steps should be an int (Newton-Schulz iterations, e.g. 5) but is: {ns_steps!r}")
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0.0 <= eps < math.inf):
@@ -352,6 +353,17 @@ def resolve_ns_config(
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
     per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
     return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
+
+
+def _check_aol_preset(ns_coefficients: object, algorithm: str) -> None:
+    """A preset fitted to AOL-scaled inputs (``AOL_PRESETS``) runs only after that scaling: by name it
+    means Turbo-Muon, not its table after the Frobenius division (a list of its triples runs that)."""
+    if isinstance(ns_coefficients, str) and ns_coefficients in AOL_PRESETS and algorithm != "aol":
+        raise ValueError(
+            f"ns_coefficients={ns_coefficients!r} is fitted to inputs scaled by AOL, but ns_algorithm is "
+            f"{algorithm!r}; pass ns_algorithm='aol' with it (and ns_steps={PRESET_STEPS[ns_coefficients]}, "
+            "its own count), or pass its triples as a list to run them after the Frobenius division"
+        )
 
 
 def precheck_group(group: dict[str, Any], index: int) -> str:

@@ -17,9 +17,12 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from .aol import aol_scale
+
 __all__ = [
     "NSAlgorithm",
     "ALGORITHMS",
+    "AOL_PRESETS",
     "BAND_INPUT_FLOOR",
     "BATCH_ENV",
     "BATCH_VALUES",
@@ -98,6 +101,16 @@ _CUBIC5: tuple[Triple, ...] = (
     (2.2230472, -0.9630650, 0.0),
 )
 
+# Turbo-Muon's 4 steps, fitted to inputs scaled by AOL (``ns_algorithm="aol"``, numerics/aol.py):
+# thib-s/flash-newton-schulz@cdb03db newton_schulz_triton.py L554-559 (``newton_schulz_triton_aol``),
+# run as given, no norm scale; tests/test_aol.py runs that code's iteration against ours.
+_TURBO_MUON: tuple[Triple, ...] = (
+    (4.6051, -9.6552, 5.6769),
+    (4.7505, -6.0861, 2.1790),
+    (2.7763, -2.3190, 0.5523),
+    (2.4231, -2.2861, 0.8193),
+)
+
 
 @dataclass(frozen=True)
 class NSConfig:
@@ -106,7 +119,8 @@ class NSConfig:
 
     ``norm_scale`` multiplies the Frobenius norm before dividing by it; Polar Express uses 1.02 so the
     spectral norm is safely below 1 in bfloat16. ``algorithm``: ``"standard"`` (torch's iteration) or
-    ``"gram"`` (the same polynomial evaluated on the small Gram matrix where that saves flops).
+    ``"gram"`` (the same polynomial evaluated on the small Gram matrix where that saves flops) or
+    ``"aol"`` (AOL's row scaling in place of the Frobenius division, then the standard iteration).
     """
 
     coefficients: tuple[Triple, ...]
@@ -124,16 +138,24 @@ PRESETS: dict[str, tuple[tuple[Triple, ...], float]] = {
     "deepseek_v4": (_DEEPSEEK_V4, 1.0),
     "cans": (_CANS, 1.0),
     "cubic5": (_CUBIC5, 1.0),
+    "turbo_muon": (_TURBO_MUON, 1.0),
 }
+# Presets fitted to AOL-scaled inputs: ``resolve_ns_config`` runs them only with ns_algorithm="aol".
+AOL_PRESETS: frozenset[str] = frozenset({"turbo_muon"})
 
 # The iterations a preset is made for, which its band assumes: its table's length, at least Muon's
 # default 5 (Keller's one triple repeats). ``resolve_ns_config`` runs ``ns_steps`` as given (fewer
 # stop early, more repeat the last triple, as EO's "repeat_last"): deepseek_v4 needs ns_steps=10.
-PRESET_STEPS: dict[str, int] = {name: max(5, len(triples)) for name, (triples, _) in PRESETS.items()}
+# turbo_muon: its table's 4, the step AOL saves (the source runs exactly 4).
+PRESET_STEPS: dict[str, int] = {
+    name: len(triples) if name in AOL_PRESETS else max(5, len(triples))
+    for name, (triples, _) in PRESETS.items()
+}
 
 # Where each preset's output singular values land after PRESET_STEPS iterations, for inputs whose
 # singular values are at least BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not
-# converged after 5 steps). Computed in float64 by ``scalar_map`` over [0.01, 1], rounded outward to
+# converged after 5 steps; for turbo_muon, at least BAND_INPUT_FLOOR after AOL's scaling, which
+# bounds them by 1 as the Frobenius norm does). Computed in float64 by ``scalar_map`` over [0.01, 1], rounded outward to
 # 3 decimals (tests/test_ns_presets.py recomputes them; tests/test_newton_schulz.py checks them by SVD).
 BAND_INPUT_FLOOR = 0.01
 PRESET_BANDS: dict[str, tuple[float, float]] = {
@@ -143,13 +165,15 @@ PRESET_BANDS: dict[str, tuple[float, float]] = {
     "deepseek_v4": (0.999, 1.001),
     "cans": (0.884, 1.120),
     "cubic5": (0.774, 1.300),
+    "turbo_muon": (0.940, 1.051),
 }
 
 # How ``ns_algorithm`` evaluates the iterations: "standard" is torch's; "gram" runs the same
 # polynomial on the small Gram matrix (Gram Newton-Schulz, Zhang, Amsel, Chen, Dao 2026,
 # https://github.com/Dao-AILab/gram-newton-schulz/blob/main/gram_newton_schulz/gram_newton_schulz.py,
-# which runs it in float16 with one restart; microsoft/dion uses that package).
-NSAlgorithm = Literal["standard", "gram"]
+# which runs it in float16 with one restart; microsoft/dion uses that package); "aol" scales by AOL
+# (numerics/aol.py) instead of the Frobenius norm and reuses the scaled Gram matrix in step 1.
+NSAlgorithm = Literal["standard", "gram", "aol"]
 ALGORITHMS: tuple[str, ...] = get_args(NSAlgorithm)
 # Rounding gives the Gram matrix R of an ill-conditioned input eigenvalues slightly below zero, and
 # each update R <- P R P multiplies them by about a^2 (P = a I + b R + c R^2 near a small eigenvalue):
@@ -195,13 +219,15 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     math and flops, but a contiguous result, so slicing and scaling it are plain copies
     (docs/benchmarks.md). Its bits may differ from torch's within bf16 rounding. Where
     ``uses_gram`` says so, runs of iterations between restarts (``gram_segments``) are evaluated in
-    the Gram form (``_gram_segment``).
+    the Gram form (``_gram_segment``). ``"aol"``: ``_aol``.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects [m, n] or [B, m, n] but got shape {tuple(x.shape)}")
     mm, addmm = (torch.mm, torch.addmm) if x.ndim == 2 else (torch.bmm, torch.baddbmm)
     y = x.to(config.dtype)
     tall = y.size(-2) > y.size(-1)
+    if config.algorithm == "aol":
+        return _aol(y, config, mm, addmm, tall)
     norm = y.norm(dim=(-2, -1), keepdim=True)
     if config.norm_scale != 1.0:
         norm = norm * config.norm_scale
@@ -216,12 +242,31 @@ def newton_schulz(x: Tensor, config: NSConfig) -> Tensor:
     return y
 
 
-def _standard_step(
-    y: Tensor, triples: Sequence[Triple], mm: Callable[..., Tensor], addmm: Callable[..., Tensor], tall: bool
+def _aol(
+    y: Tensor, config: NSConfig, mm: Callable[..., Tensor], addmm: Callable[..., Tensor], tall: bool
 ) -> Tensor:
-    """One iteration, torch's calls: ``a X + (b A + c A A) X`` (from the right when tall)."""
+    """AOL's scaling (``aol_scale``) for the Frobenius division; its scaled Gram matrix is step 1's
+    ``A``, as in the source; the later steps are the standard iteration. Same products as
+    ``"standard"`` with as many steps."""
+    y, gram = aol_scale(y, config.eps, config.norm_scale, mm, tall)
+    for k, triple in enumerate(config.coefficients):
+        y = _standard_step(y, (triple,), mm, addmm, tall, gram if k == 0 else None)
+    return y
+
+
+def _standard_step(
+    y: Tensor,
+    triples: Sequence[Triple],
+    mm: Callable[..., Tensor],
+    addmm: Callable[..., Tensor],
+    tall: bool,
+    gram: Tensor | None = None,
+) -> Tensor:
+    """One iteration, torch's calls: ``a X + (b A + c A A) X`` (from the right when tall); ``gram``:
+    ``A`` where the caller has it (AOL's first step)."""
     ((a, b, c),) = triples
-    gram = mm(y.mT, y) if tall else mm(y, y.mT)
+    if gram is None:
+        gram = mm(y.mT, y) if tall else mm(y, y.mT)
     poly = _small_poly(gram, b, c, addmm)
     return addmm(y, y, poly, beta=a) if tall else addmm(y, poly, y, beta=a)
 
@@ -321,8 +366,8 @@ batching("cpu")
 
 
 def scalar_map(singular_values: Tensor, config: NSConfig) -> Tensor:
-    """What the iteration does to each singular value (as a fraction of the Frobenius norm), in the
-    input's dtype: the odd polynomial ``a s + b s^3 + c s^5`` composed once per step."""
+    """What the iteration does to each singular value (of the input divided by its Frobenius norm, or
+    scaled by AOL), in the input's dtype: ``a s + b s^3 + c s^5`` composed once per step."""
     s = singular_values / config.norm_scale
     for a, b, c in config.coefficients:
         s = a * s + b * s**3 + c * s**5
@@ -338,7 +383,8 @@ def ns_flops(shape: Sequence[int], steps: int = 1) -> int:
 
 def orthogonalize_flops(shape: Sequence[int], config: NSConfig) -> int:
     """Flops of ``newton_schulz`` on one matrix of ``shape``: the standard iteration's, or the Gram
-    form's where ``uses_gram``. What owner balancing and the cost model should count."""
+    form's where ``uses_gram``. What owner balancing and the cost model should count. AOL's are the
+    standard count: its scaling's A = X X^T is step 1's, the rest is elementwise (uncounted)."""
     steps = len(config.coefficients)
     if uses_gram(shape, config):
         return _gram_flops(shape, gram_segments(config))

@@ -15,7 +15,8 @@ MUON_ARGS = r"""
         momentum: momentum factor (default: 0.95).
         nesterov: Nesterov momentum (default: True).
         ns_coefficients: (a, b, c) for every iteration, a list of per-iteration triples, or a preset
-            name: "keller", "you", "polar_express" (default: (3.4445, -4.7750, 2.0315)).
+            name: "keller", "you", "polar_express", "turbo_muon" (with ns_algorithm="aol") (default:
+            (3.4445, -4.7750, 2.0315)).
         eps: floor of the norm the Newton-Schulz input is divided by (default: 1e-7).
         ns_steps: Newton-Schulz iterations (default: 5).
         adjust_lr_fn: None or "original" (sqrt(max(1, rows/cols))), "match_rms_adamw"
@@ -31,7 +32,9 @@ MUON_ARGS = r"""
             only (AdamW and NorMuon's second moment keep the parameter's dtype). Also a per-group key.
         ns_algorithm: "standard" (torch's iteration; default) or "gram" (the same polynomial on the
             small Gram matrix, with restarts; it runs where it needs fewer flops, with 5 steps on
-            matrices whose long side is over 1.5x the short one, the others run "standard").
+            matrices whose long side is over 1.5x the short one, the others run "standard") or
+            "aol" (Turbo-Muon: AOL's row scaling instead of the Frobenius division, its Gram matrix
+            reused by the first step; with ns_coefficients="turbo_muon", ns_steps=4).
         mode: "owner" (each matrix orthogonalized once, on a balanced owner rank; default) or
             "gather" (every rank gathers and orthogonalizes every matrix; for comparison).
         process_group: the ranks that hold replicated plain parameters (DDP); they split the
