@@ -42,6 +42,9 @@ def test_describe_names_groups_matrices_and_refusals() -> None:
     assert "| 0 | muon | - | 1 | 384 | 1 |" in rows["0"]
     assert "| 1 | muon | head_dim=4 | 2 | 384 | 6 |" in rows["1"]
     assert "| 3 | muon | experts=True | 1 | 1,152 | 3 |" in rows["3"]
+    # the stack is shown as experts, not as a 3-D tensor
+    assert "expert stacks (experts=True; one matrix per expert):" in text
+    assert "  experts (group 3): 3 experts of 24x16, whole on this rank (not a DTensor)" in text
     assert "1 ranks: 1.000" in rows["1"]
     assert "embed.weight (10, 16): embedding" in text
     assert "norm.weight (16,): 1-D" in text

@@ -111,6 +111,10 @@ def test_moe_on_ep_by_fsdp_steps_as_one_process_and_resumes_on_other_ep_degrees(
             assert [k for k in final if not torch.equal(after[k], final[k])] == [], (rank, case)
         # each of the 3 stacks' 4 experts and the 3 dense matrices once in the world, per step
         assert r["orthogonalized_in_world"] == TOTAL * (3 * E + 3), r
+        # describe() shows each stack as its experts and their layout on the (ep, fsdp) mesh
+        layout = "Shard(0) over ep (2), Shard(1) over fsdp (2); experts cut across ranks: exchanged"
+        for name, shape in (("w1", "12x8"), ("w2", "8x12"), ("w3", "12x8")):
+            assert f"  {name} (group 1): {E} experts of {shape}, {layout}" in r["describe"], r["describe"]
 
 
 def moe_runs(root: str) -> dict[str, Any]:
@@ -122,6 +126,7 @@ def moe_runs(root: str) -> dict[str, Any]:
     done = torch.tensor([opt.comm_stats.orthogonalized])
     dist.all_reduce(done)
     out: dict[str, Any] = {"ep2": (loaded, snapshot(params, opt)), "orthogonalized_in_world": int(done)}
+    out["describe"] = opt.describe()
     for case, ep in (("ep2->ep4", 4), ("ep2->no ep", 1)):
         params, opt = build(ep, seed=5)
         assert ckpt.load_checkpoint(root, _Model(params), opt) == {"step": SPLIT}

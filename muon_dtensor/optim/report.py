@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..checks.names import param_names, refusal
 from ..checks.together import raise_together
@@ -126,7 +127,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
     lines = ["| group | algorithm | options | params | elements | matrices | owners (busiest / mean) |"]
     lines.append("|---|---|---|---:|---:|---:|---|")
     totals: Counter[str] = Counter()
-    refused = []
+    refused, stacks = [], []
     for index, group in enumerate(opt.param_groups):
         algo, params = group["algorithm"], group["params"]
         elements = sum(p.numel() for p in params)
@@ -135,6 +136,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
         if algo == "muon":
             sharding = opt._sharding(index, group, local=True) if build else _built(opt, index)
             matrices, balance = _balance(sharding)
+            stacks += _expert_stacks(group, index) if group.get("experts") else []
         else:
             names = param_names(group, index)
             refused += [
@@ -145,7 +147,45 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
         )
     share = ", ".join(f"{a}: {n:,} elements" for a, n in sorted(totals.items()))
     out = [f"muon_dtensor.Muon: {len(opt.param_groups)} groups; {share}", *lines]
+    out += ["expert stacks (experts=True; one matrix per expert):", *stacks] if stacks else []
     return "\n".join(out + (["not in Muon (AdamW) and why:", *refused] if refused else []))
+
+
+def _expert_stacks(group: Mapping[str, Any], index: int) -> list[str]:
+    """Per [E, m, n] parameter of an ``"experts": True`` group: its experts, their shape and how the
+    mesh lays it out (``w1 (group 1): 4 experts of 12x8, Shard(0) over ep (2), Shard(1) over fsdp (2); ...``)."""
+    lines = []
+    for name, p in zip(param_names(group, index), group["params"]):
+        if p.dim() == 3:
+            lines.append(
+                f"  {name} (group {index}): {p.shape[0]} experts of {p.shape[1]}x{p.shape[2]}, {_stack_layout(p)}"
+            )
+    return lines
+
+
+def _stack_layout(p: Tensor) -> str:
+    """The placements of an expert stack per mesh axis, and whether each expert sits whole on one rank
+    (sharded only over the expert dimension: Muon orthogonalizes it there, with no exchange)."""
+    if not isinstance(p, DTensor):
+        return "whole on this rank (not a DTensor)"
+    placements, mesh = p.placements, p.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"mesh axis {i}" for i in range(mesh.ndim))
+    parts = [
+        f"{_placement(pl)} over {n} ({mesh.size(i)})" for i, (pl, n) in enumerate(zip(placements, names))
+    ]
+    dims = {getattr(pl, "dim", None) for pl in placements if pl.is_shard()}
+    if not dims:
+        return ", ".join(parts) + "; every rank holds every expert"
+    if dims == {0}:
+        return ", ".join(parts) + "; each expert whole on one rank (per replica): no exchange"
+    return ", ".join(parts) + "; experts cut across ranks: exchanged for Newton-Schulz"
+
+
+def _placement(pl: Any) -> str:
+    """``Shard(d)`` and ``Replicate`` as written in code; others (``_StridedShard``) as torch prints them."""
+    if pl.is_shard() and type(pl).__name__ == "Shard":
+        return f"Shard({pl.dim})"
+    return "Replicate" if pl.is_replicate() else str(pl)
 
 
 def _built(opt: OptimizerView, index: int) -> GroupSharding | None:

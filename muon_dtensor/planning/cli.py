@@ -7,13 +7,15 @@ Examples::
     python -m muon_dtensor plan --layers 24 --dim 2048 --gpus 8 --matmul-tflops 600
     python -m muon_dtensor plan --model llama3-8b --gpus 8 --json
     python -m muon_dtensor plan --model llama3.1-405b --gpus 512 --ns-algorithm gram
+    python -m muon_dtensor plan --model deepseek-v3 --gpus 256 --ep 32      # experts: ep 32 x fsdp 8
 
 The step is predicted by ``costmodel.predict``. Without replicas, for one shard group (the ranks a
 parameter is sharded over, FSDP2's ``Shard(0)``). With HSDP (``--replicate`` > 1), ``--owners``
 says where each matrix's owner is chosen, as ``Muon(owners=...)``: ``replica`` (every replica group
 runs one shard group's step at the same time), ``mesh`` (one owner per matrix among all GPUs, the
 results sent to every replica) or ``auto`` (the faster; the default). Pure arithmetic: no GPU, no
-process group.
+process group. MoE presets (``deepseek-v3``, ``kimi-k2``) price dense matrices and expert stacks
+as two exchange groups, with ``--ep`` in torchtitan's expert-parallel layout (``experts.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 from typing import Any
 
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
-from ..sharding.plan.memory import group_peak
+from . import experts as moe
 from .costmodel import (
     CURRENT,
     LLAMA3_8B,
@@ -37,7 +38,8 @@ from .costmodel import (
     predict,
     transformer_shapes,
 )
-from .hardware import Hardware
+from .experts import MoEPrediction
+from .hardware import Hardware, from_flags, hardware_args
 from .inputs import (
     GPUS,
     LAYERS,
@@ -48,12 +50,13 @@ from .inputs import (
     WIDTH,
     bounded,
     format_bytes,
-    seconds_or_rate,
 )
-from .links import block_numels
-from .plans import hsdp_plan, sharded_plan
+from .plans import rank_memory
+from .shapes import MoEModel
 
-__all__ = ["MODELS", "Layout", "hardware", "main", "memory", "parse_args", "plan"]
+MOE_MODELS = moe.MOE_MODELS
+
+__all__ = ["MODELS", "MOE_MODELS", "Layout", "hardware", "main", "memory", "moe_step", "parse_args", "plan"]
 
 MODELS: dict[str, list[Shape]] = {
     "llama3-8b": LLAMA3_8B,
@@ -67,16 +70,6 @@ NORMUON_REFUSAL = (
     "all-to-all and a few elementwise row passes on the owner); plan without --normuon for the Muon "
     "step it adds to"
 )
-# Command-line flag -> (Hardware field, factor from the flag's unit to the field's).
-_HW_FLAGS = {
-    "matmul_tflops": ("matmul_flops", 1e12),
-    "memory_tbps": ("memory_bandwidth", 1e12),
-    "intra_node_gbps": ("intra_node_bandwidth", 1e9),
-    "inter_node_gbps": ("inter_node_bandwidth", 1e9),
-    "gpus_per_node": ("gpus_per_node", 1),
-    "latency_us": ("collective_latency", 1e-6),
-    "op_overhead_us": ("op_overhead", 1e-6),
-}
 
 
 @dataclass(frozen=True)
@@ -90,7 +83,9 @@ class Layout:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a preset, or a transformer given by --layers and --dim)")
-    g.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="preset (llama3-8b)")
+    g.add_argument(
+        "--model", choices=sorted(MODELS | MOE_MODELS), default="llama3-8b", help="preset (llama3-8b)"
+    )
     g.add_argument("--layers", type=LAYERS, help=f"transformer layers (replaces --model; <= {MAX_LAYERS:,})")
     g.add_argument("--dim", type=WIDTH, help="model width")
     g.add_argument("--kv-rows", type=WIDTH, help="rows of k and v (kv heads x head size; default: dim)")
@@ -104,6 +99,12 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=GPUS, help=f"GPUs in all (default: shard x replicate; <= {MAX_GPUS:,})")
     g.add_argument("--shard", type=GPUS, help="ranks per shard group (default: gpus / replicate)")
     g.add_argument("--replicate", type=GPUS, help="replica groups, HSDP (default: gpus / shard, or 1)")
+    g.add_argument(
+        "--ep",
+        type=GPUS,
+        help="expert-parallel ranks, with an MoE preset: experts Shard(0) over ep, Shard(1) over the "
+        "gpus / ep ranks of each (torchtitan's layout); default: stacks Shard(0) over all ranks",
+    )
     g.add_argument("--mode", choices=("owner", "gather", "redundant"), default="owner", help="(owner)")
     owner_options(g)
     g.add_argument(
@@ -165,15 +166,6 @@ def _check_args(p: argparse.ArgumentParser) -> None:
     check_options(g)
 
 
-def _hardware_args(p: argparse.ArgumentParser) -> None:
-    d = Hardware.h200()
-    g = p.add_argument_group("hardware (default: H200 SXM, 8 per node; see muon_dtensor.planning.hardware)")
-    for flag, (field, unit) in _HW_FLAGS.items():
-        cast = GPUS if field == "gpus_per_node" else seconds_or_rate(field.endswith(("flops", "bandwidth")))
-        default = getattr(d, field) / unit
-        g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``plan``'s arguments; exits with status 2 on bad ones, as argparse does."""
     p = argparse.ArgumentParser(
@@ -183,13 +175,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     _model_args(p)
     _layout_args(p)
-    _hardware_args(p)
+    hardware_args(p)
     _check_args(p)
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
     try:
         args.layout = _layout(args.gpus, args.shard, args.replicate)
+        args.moe = MOE_MODELS.get(args.model) if args.layers is None and args.dim is None else None
         args.shapes = _shapes(args)
+        name = args.model if args.layers is None and args.dim is None else "a custom model"
+        moe.check_ep(args.moe, name, args.ep, args.layout.shard, args.layout.replicate)
     except ValueError as e:
         p.error(str(e))
     given = [
@@ -241,6 +236,8 @@ def _within(layout: Layout) -> Layout:
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:
+    if args.moe is not None:  # every expert a matrix; the pricing reads args.moe
+        return list(args.moe.dense) + args.moe.expert_shapes(args.moe.experts)
     if args.layers is None and args.dim is None:
         return MODELS[args.model]
     if args.layers is None or args.dim is None or args.layers < 1 or args.dim < 1:
@@ -252,18 +249,15 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
 
 def hardware(args: argparse.Namespace) -> Hardware:
     """``Hardware.h200()`` with the fields the flags set."""
-    overrides = {
-        field: getattr(args, flag) * unit
-        for flag, (field, unit) in _HW_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    return Hardware.h200(**overrides)
+    return from_flags(args)
 
 
 def plan(args: argparse.Namespace) -> Prediction:
     """The cost model's step for parsed arguments: shard groups of ``args.layout.shard`` ranks, in
     ``args.layout.replicate`` replicas with owners ``args.owners``."""
     impl = replace(CURRENT, max_round_bytes=args.max_round_bytes or None)
+    if args.moe is not None:
+        return moe_step(args).step
     return predict(
         args.shapes,
         args.layout.shard,
@@ -278,39 +272,31 @@ def plan(args: argparse.Namespace) -> Prediction:
     )
 
 
+def moe_step(args: argparse.Namespace, mode: str | None = None) -> MoEPrediction:
+    """An MoE preset's step for parsed arguments (``experts.moe_predict``), in ``args.mode`` or ``mode``."""
+    return moe.moe_predict(
+        args.moe,
+        moe.ExpertLayout(args.layout.shard, args.ep),
+        hardware(args),
+        mode=mode or args.mode,
+        impl=replace(CURRENT, max_round_bytes=args.max_round_bytes or None),
+        ns_steps=args.ns_steps,
+        ns_algorithm=args.ns_algorithm,
+        split=args.ns_split == "auto",
+    )
+
+
 def memory(args: argparse.Namespace, owners: str) -> dict[str, list[int]]:
     """Per rank of one exchange group, the bytes ``Muon.memory`` reports for these matrices: fp32
     momentum and the predicted peak transient of a step (bf16 exchange, CUDA batches), from the
     plan the optimizer would build (owners ``"mesh"``: over every GPU, else one replica group)."""
     lay = args.layout
+    if args.moe is not None:
+        return moe.moe_memory(args.moe, moe.ExpertLayout(lay.shard, args.ep), args.max_round_bytes or None)
     shapes = tuple((int(r), int(c)) for r, c in args.shapes)
     mesh = owners == "mesh" and lay.replicate > 1
-    momentum, peak = _memory(shapes, lay.shard, lay.replicate, mesh, args.max_round_bytes or None)
+    momentum, peak = rank_memory(shapes, lay.shard, lay.replicate, mesh, args.max_round_bytes or None)
     return {"momentum": list(momentum), "peak_transient": list(peak)}
-
-
-@lru_cache(maxsize=64)
-def _memory(
-    shapes: tuple[Shape, ...], shard: int, replicate: int, mesh: bool, limit: int | None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``memory``'s figures, computed once per setting (pure; seconds at 1,024 ranks)."""
-    built = (
-        hsdp_plan(shapes, shard, replicate, max_round_bytes=limit)
-        if mesh
-        else sharded_plan(shapes, shard, max_round_bytes=limit)
-    )
-    whole, members = [False] * len(built.entries), list(range(len(built.entries)))
-    momentum, peak = [], []
-    per_entry = [block_numels(e.blocks) for e in built.entries]
-    for rank in range(built.group_size):
-        numels = [x[rank] for x in per_entry]
-        momentum.append(4 * sum(numels))
-        peak.append(
-            group_peak(
-                numels, whole, [(built, rank, members)], param_item=4, ns_item=2, nesterov=True, cpu=False
-            )
-        )
-    return tuple(momentum), tuple(peak)
 
 
 def _memory_lines(figures: dict[str, list[int]]) -> list[str]:
@@ -324,9 +310,11 @@ def _memory_lines(figures: dict[str, list[int]]) -> list[str]:
 def _describe(args: argparse.Namespace, hw: Hardware) -> list[str]:
     lay, shapes = args.layout, args.shapes
     name = args.model if args.layers is None else f"custom ({args.layers} layers of width {args.dim})"
+    if args.moe is not None:
+        name += f" ({len(args.moe.dense)} dense, {args.moe.expert_matrices:,} experts)"
     rounds = "one round" if not args.max_round_bytes else f"rounds of {args.max_round_bytes:,} bytes"
     return [
-        f"model: {name}, {len(shapes)} hidden matrices, {sum(r * c for r, c in shapes):,} elements",
+        f"model: {name}, {len(shapes):,} hidden matrices, {sum(r * c for r, c in shapes):,} elements",
         f"layout: {lay.gpus} GPUs = {lay.replicate} replica group(s) x {lay.shard} ranks per shard "
         f"group, {hw.gpus_per_node} GPUs per node",
         f"hardware: bf16 matmul {hw.matmul_flops / 1e12:g} TFLOP/s, memory {hw.memory_bandwidth / 1e12:g} "
@@ -349,7 +337,8 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
         ("host (eager ops)", p.host),
     ]
     where = "among all GPUs" if p.owners == "mesh" else "in each replica group"
-    lines = _describe(args, hw) + ["", f"Predicted Muon step (costmodel.predict), owners {where}:", ""]
+    how = "experts.moe_predict: dense, then experts" if args.moe is not None else "costmodel.predict"
+    lines = _describe(args, hw) + ["", f"Predicted Muon step ({how}), owners {where}:", ""]
     lines += ["| part | ms |", "|---|---:|"] + [f"| {k} | {v * 1e3:.1f} |" for k, v in rows]
     lines += [
         "",
@@ -361,7 +350,16 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
         f"Every rank orthogonalizing every matrix instead (mode redundant): {redundant.total * 1e3:.1f} ms.",
         *_memory_lines(memory(args, p.owners)),
     ]
+    if args.moe is not None:
+        at = next(i for i, line in enumerate(lines) if line.startswith("collectives per step")) + 1
+        lines[at:at] = moe.report_lines(*_moe_parts(args))
     return "\n".join(lines)
+
+
+def _moe_parts(args: argparse.Namespace) -> tuple[MoEModel, moe.ExpertLayout, MoEPrediction, list[int]]:
+    """An MoE preset's model, layout, both groups' steps and the expert matrices each rank owns."""
+    layout = moe.ExpertLayout(args.layout.shard, args.ep)
+    return args.moe, layout, moe_step(args), moe.expert_owned(args.moe, layout, args.max_round_bytes or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out: dict[str, Any] = {"layout": asdict(args.layout), "hardware": asdict(hardware(args))}
         figures = {k: {"min": min(v), "max": max(v)} for k, v in memory(args, p.owners).items()}
-        print(json.dumps(out | {"prediction": asdict(p), "memory": figures}, indent=2))
+        extra = {"experts": moe.moe_json(*_moe_parts(args))} if args.moe is not None else {}
+        print(json.dumps(out | {"prediction": asdict(p), "memory": figures} | extra, indent=2))
+        return 0
+    if args.moe is not None:
+        print(_report(args, p, moe_step(args, "redundant").step))
         return 0
     redundant = predict(
         args.shapes,

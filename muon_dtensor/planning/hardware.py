@@ -6,9 +6,12 @@ or rates fitted from measurements (``benchmarks/calibrate.py`` fits them on the 
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from .inputs import GPUS, seconds_or_rate
 
 __all__ = ["Hardware", "fit_latency_bandwidth"]
 
@@ -111,3 +114,35 @@ def fit_latency_bandwidth(pairs: Sequence[tuple[float, float]]) -> tuple[float, 
     if slope <= 0:
         raise ValueError(f"link time does not grow with bytes: {list(pairs)}")
     return max(mean_t - slope * mean_b, 0.0), 1.0 / slope
+
+
+# ``plan``'s command-line flag -> (Hardware field, factor from the flag's unit to the field's).
+HW_FLAGS = {
+    "matmul_tflops": ("matmul_flops", 1e12),
+    "memory_tbps": ("memory_bandwidth", 1e12),
+    "intra_node_gbps": ("intra_node_bandwidth", 1e9),
+    "inter_node_gbps": ("inter_node_bandwidth", 1e9),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "latency_us": ("collective_latency", 1e-6),
+    "op_overhead_us": ("op_overhead", 1e-6),
+}
+
+
+def hardware_args(p: argparse.ArgumentParser) -> None:
+    """``plan``'s hardware flags, each replacing one figure of ``Hardware.h200()``."""
+    d = Hardware.h200()
+    g = p.add_argument_group("hardware (default: H200 SXM, 8 per node; see muon_dtensor.planning.hardware)")
+    for flag, (field, unit) in HW_FLAGS.items():
+        cast = GPUS if field == "gpus_per_node" else seconds_or_rate(field.endswith(("flops", "bandwidth")))
+        default = getattr(d, field) / unit
+        g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
+
+
+def from_flags(args: argparse.Namespace) -> Hardware:
+    """``Hardware.h200()`` with the fields ``hardware_args``' flags set."""
+    overrides = {
+        field: getattr(args, flag) * unit
+        for flag, (field, unit) in HW_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    return Hardware.h200(**overrides)
