@@ -8,7 +8,10 @@ shared expert and routed ``GroupedExperts`` stacks ``w1_EFD``/``w3_EFD`` ``[E, F
 efsdp x ep > num_experts). The test asserts the placements torchtitan gave (below), then steps each
 layout 3 times on the same full gradients as one process (Muon for the matrices, one
 ``"experts": True`` group for the stacks, AdamW for embeddings, head and norms): every parameter and
-state entry equals one process bit for bit, and each expert matrix is orthogonalized once in the world.
+state entry equals one process bit for bit, and each expert matrix is orthogonalized once in the world
+(once per replica under HSDP with ``owners="auto"``). torchtitan 0.3.0 never shards experts over EP
+and TP together (no expert TP with EP on, moe_sharding.py), so "ep x fsdp x tp" is ``ep2_tp2`` and
+``hsdp2_ep2_tp2``; experts tensor-parallel is ``tp2``.
 
 Placements (mesh axes: placements), as torchtitan 0.3.0 lays them out on 4 ranks:
 
