@@ -18,9 +18,8 @@ that with ``--ep`` equal to the shard group); the ``Shard(1)`` layout priced her
 beyond, and what ``tests/test_moe_layouts.py`` steps.
 
 The optimizer plans such a stack over every rank of the (ep, fsdp) mesh (its exchange group is every
-axis that shards it) and may pick an owner outside an expert's F ranks; that expert then moves all
-its B bytes each way instead of B (F - 1) / F, so the optimizer's bytes are at most F / (F - 1)
-those priced here (``tests/test_planning_moe.py`` holds a small case to both bounds).
+axis that shards it) and owns each expert on one of its F ranks (``MatrixEntry.sharers``), so it
+moves the bytes priced here (``tests/test_planning_moe.py`` holds a small case to them).
 
 Dense and expert groups are exchanged one after the other (separate parameter groups), so the step
 and its parts add up, as ``costmodel.compare_owners`` adds groups laid out differently.

@@ -70,6 +70,12 @@ def _holders(
     return full
 
 
+@functools.lru_cache(maxsize=4096)
+def _sharers(blocks: tuple[Block, ...], replicated: bool) -> tuple[int, ...]:
+    ranks = tuple(r for r, b in enumerate(blocks) if block_numel(b))
+    return () if replicated or 2 * len(ranks) > len(blocks) else ranks
+
+
 @dataclass(frozen=True)
 class MatrixEntry:
     """One matrix to orthogonalize: its global shape and the block each group rank holds."""
@@ -93,6 +99,13 @@ class MatrixEntry:
         """The ranks that hold this matrix whole, one per replica, while the others hold nothing
         (an expert of an expert-parallel stack), or (). Its owner is one of them."""
         return _holders(self.shape, self.blocks, self.replicated, self.replica_of)
+
+    @cached_property
+    def sharers(self) -> tuple[int, ...]:
+        """The ranks that hold pieces of this matrix when they are at most half the group (an expert
+        of an (ep, fsdp) stack, on its fsdp ranks), or (). Its owner is one of them: it then reads
+        the others' pieces only, not every byte of the matrix from elsewhere."""
+        return _sharers(self.blocks, self.replicated)
 
     @property
     def holder(self) -> int | None:
@@ -178,8 +191,9 @@ def _assign_owners(entries: Sequence[MatrixEntry], group_size: int) -> tuple[lis
     owners = [0] * len(entries)
     loads = [0] * group_size
     tie = _tie_order(entries, group_size)
-    held = {i: e.holders for i, e in enumerate(entries) if e.holders}
-    # A matrix held whole stays on a holder: the least loaded of them (one per replica).
+    held = {i: e.holders or e.sharers for i, e in enumerate(entries) if e.holders or e.sharers}
+    # A matrix held whole stays on a holder: the least loaded of them (one per replica); one held
+    # in pieces by a few ranks goes to the least loaded of those.
     for i in sorted(held, key=lambda i: (-costs[i], i)):
         owners[i] = min(held[i], key=lambda r: (loads[r], tie[r]))
         loads[owners[i]] += costs[i]
@@ -209,7 +223,11 @@ def _assign_with_gangs(
         (ns_flops(e.shape), i, None) for i, e in enumerate(entries) if i not in parts
     ]
     tasks += [(gang_cost(g.shape, len(g.parts)) * len(g.parts), g.parts[0], g) for g in gangs]
-    held = {i: entries[i].holders for _, i, g in tasks if g is None and entries[i].holders}
+    held = {
+        i: entries[i].holders or entries[i].sharers
+        for _, i, g in tasks
+        if g is None and (entries[i].holders or entries[i].sharers)
+    }
     placed: dict[int, Gang] = {}
     for cost, i, gang in sorted(tasks, key=lambda t: (t[1] not in held, -t[0], t[1])):
         if gang is None:
