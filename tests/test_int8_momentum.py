@@ -261,3 +261,23 @@ def test_the_host_issues_ops_per_shape_not_per_parameter() -> None:
     """Stacked per shape: 4 times the parameters of the same 3 shapes add only the stacks' and
     copies' list arguments, not ops (the allocation of the inputs grows with shapes as well)."""
     assert _momentum_ops(8) == _momentum_ops(2)
+
+
+def test_plan_counts_int8_momentum_as_muon_memory_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --momentum-dtype``: one process, the bytes ``Muon.memory`` reports for the same
+    matrices; over 4 row shards, every rank's values and maxima add up to the whole's."""
+    from muon_dtensor.planning.cli import main as plan_main
+    from muon_dtensor.planning.plans import rank_memory
+
+    shapes = ((64, 300), (96, 512), (40, 40))
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = Muon(params, lr=0.02, momentum_dtype=torch.int8)
+    whole = sum(r * c + 4 * r * -(-c // BLOCK) for r, c in shapes)
+    assert opt.memory()["momentum"] == rank_memory(shapes, 1, 1, False, None, "int8")[0][0] == whole
+    assert sum(rank_memory(shapes, 4, 1, False, None, "int8")[0]) == whole
+    bf16 = rank_memory(shapes, 4, 1, False, None, "bfloat16")[0]
+    assert [2 * b for b in bf16] == list(rank_memory(shapes, 4, 1, False, None, "float32")[0])
+    assert plan_main(["--model", "llama3-8b", "--gpus", "64", "--momentum-dtype", "int8"]) == 0
+    assert "int8 momentum 105.6 MiB - 105.6 MiB" in capsys.readouterr().out

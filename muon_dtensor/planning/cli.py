@@ -51,7 +51,7 @@ from .inputs import (
     bounded,
     format_bytes,
 )
-from .plans import rank_memory
+from .plans import MOMENTUM_ITEMS, rank_memory
 from .shapes import MoEModel
 
 MOE_MODELS = moe.MOE_MODELS
@@ -112,10 +112,11 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--ns-algorithm",
-        choices=("standard", "gram"),
+        choices=("standard", "gram", "aol"),
         default="standard",
-        help='as Muon(ns_algorithm=...); "gram" prices Gram Newton-Schulz flops (standard)',
+        help='as Muon(ns_algorithm=...); "gram" prices Gram flops, "aol" standard ones (standard)',
     )
+    g.add_argument("--momentum-dtype", choices=tuple(MOMENTUM_ITEMS), default="float32", help="(float32)")
     g.add_argument("--normuon", action="store_true", help=f"refused: {NORMUON_REFUSAL}")
 
 
@@ -292,17 +293,19 @@ def memory(args: argparse.Namespace, owners: str) -> dict[str, list[int]]:
     plan the optimizer would build (owners ``"mesh"``: over every GPU, else one replica group)."""
     lay = args.layout
     if args.moe is not None:
-        return moe.moe_memory(args.moe, moe.ExpertLayout(lay.shard, args.ep), args.max_round_bytes or None)
+        layout = moe.ExpertLayout(lay.shard, args.ep)
+        return moe.moe_memory(args.moe, layout, args.max_round_bytes or None, args.momentum_dtype)
     shapes = tuple((int(r), int(c)) for r, c in args.shapes)
     mesh = owners == "mesh" and lay.replicate > 1
-    momentum, peak = rank_memory(shapes, lay.shard, lay.replicate, mesh, args.max_round_bytes or None)
+    limit = args.max_round_bytes or None
+    momentum, peak = rank_memory(shapes, lay.shard, lay.replicate, mesh, limit, args.momentum_dtype)
     return {"momentum": list(momentum), "peak_transient": list(peak)}
 
 
-def _memory_lines(figures: dict[str, list[int]]) -> list[str]:
+def _memory_lines(figures: dict[str, list[int]], dtype: str) -> list[str]:
     span = {k: f"{format_bytes(min(v))} - {format_bytes(max(v))}" for k, v in figures.items()}
     return [
-        "Per rank (min - max over ranks; Muon.memory's figures for these matrices): fp32 momentum "
+        f"Per rank (min - max over ranks; Muon.memory's figures for these matrices): {dtype} momentum "
         f"{span['momentum']}; peak transient of a step (bf16 exchange, CUDA batches) {span['peak_transient']}"
     ]
 
@@ -348,7 +351,7 @@ def _report(args: argparse.Namespace, p: Prediction, redundant: Prediction) -> s
         + (", host behind device)" if hw.async_host else ")")
         + ", so the step is less than their sum.",
         f"Every rank orthogonalizing every matrix instead (mode redundant): {redundant.total * 1e3:.1f} ms.",
-        *_memory_lines(memory(args, p.owners)),
+        *_memory_lines(memory(args, p.owners), args.momentum_dtype),
     ]
     if args.moe is not None:
         at = next(i for i, line in enumerate(lines) if line.startswith("collectives per step")) + 1

@@ -198,17 +198,19 @@ def expert_owned(model: MoEModel, layout: ExpertLayout, limit: int | None) -> li
     return [owned.get(r // layout.ep, 0) for r in range(layout.shard)]
 
 
-def moe_memory(model: MoEModel, layout: ExpertLayout, limit: int | None) -> dict[str, list[int]]:
-    """Per rank of the N, ``Muon.memory``'s figures: fp32 momentum of the dense and expert blocks it
+def moe_memory(
+    model: MoEModel, layout: ExpertLayout, limit: int | None, momentum_dtype: str = "float32"
+) -> dict[str, list[int]]:
+    """Per rank of the N, ``Muon.memory``'s figures: the momentum of the dense and expert blocks it
     holds, and the larger of the two groups' peak transients (each group's die with it)."""
-    dense_m, dense_p = rank_memory(tuple(model.dense), layout.shard, 1, False, limit)
+    dense_m, dense_p = rank_memory(tuple(model.dense), layout.shard, 1, False, limit, momentum_dtype)
     groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {0: ((0,), (0,))}
     momentum, peak = [], []
     for r in range(layout.shard):
         held = _held(model, layout, r)
         if held not in groups:  # one plan per group: the ep group's F ranks, or one rank's experts
             shapes = tuple(model.expert_shapes(held))
-            groups[held] = rank_memory(shapes, layout.fsdp, 1, False, limit)
+            groups[held] = rank_memory(shapes, layout.fsdp, 1, False, limit, momentum_dtype)
         exp_m, exp_p = groups[held]
         group_rank = r // layout.ep if layout.ep else 0  # group rank r // ep of ep rank r % ep
         momentum.append(dense_m[r] + exp_m[group_rank])

@@ -3,16 +3,18 @@ memory ``Muon.memory`` predicts on them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ..sharding.plan.blocks import AxisShard, Block, mesh_blocks, shard_blocks
+from ..numerics.blockwise import BLOCK
+from ..sharding.plan.blocks import AxisShard, Block, block_shape, mesh_blocks, shard_blocks
 from ..sharding.plan.build import MatrixEntry, Plan, build_plan
 from ..sharding.plan.memory import group_peak
 from .links import block_numels
 from .shapes import Shape
 
-__all__ = ["hsdp_plan", "rank_memory", "sharded_plan"]
+__all__ = ["MOMENTUM_ITEMS", "hsdp_plan", "rank_memory", "sharded_plan"]
 
 
 @lru_cache(maxsize=4096)
@@ -51,12 +53,18 @@ def hsdp_plan(
 
 @lru_cache(maxsize=64)
 def rank_memory(
-    shapes: tuple[Shape, ...], shard: int, replicate: int, mesh: bool, limit: int | None
+    shapes: tuple[Shape, ...],
+    shard: int,
+    replicate: int,
+    mesh: bool,
+    limit: int | None,
+    momentum_dtype: str = "float32",
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per rank of one exchange group, the bytes ``Muon.memory`` reports for ``shapes``: fp32
-    momentum and the predicted peak transient of a step (bf16 exchange, CUDA batches), from the plan
-    the optimizer would build (``mesh``: owners over ``replicate`` x ``shard`` ranks, else one shard
-    group); ``limit``: bytes per round. Computed once per setting (pure; seconds at 1,024 ranks)."""
+    """Per rank of one exchange group, the bytes ``Muon.memory`` reports for ``shapes`` of float32
+    parameters: momentum in ``momentum_dtype`` and the predicted peak transient of a step (bf16
+    exchange, CUDA batches), from the plan the optimizer would build (``mesh``: owners over
+    ``replicate`` x ``shard`` ranks, else one shard group); ``limit``: bytes per round. Computed once
+    per setting (pure; seconds at 1,024 ranks)."""
     built = (
         hsdp_plan(shapes, shard, replicate, max_round_bytes=limit)
         if mesh
@@ -65,12 +73,26 @@ def rank_memory(
     whole, members = [False] * len(built.entries), list(range(len(built.entries)))
     momentum, peak = [], []
     per_entry = [block_numels(e.blocks) for e in built.entries]
+    item = MOMENTUM_ITEMS[momentum_dtype]
     for rank in range(built.group_size):
         numels = [x[rank] for x in per_entry]
-        momentum.append(4 * sum(numels))
+        momentum.append(item * sum(numels) + (_maxima(built.entries, rank) if item == 1 else 0))
         peak.append(
             group_peak(
-                numels, whole, [(built, rank, members)], param_item=4, ns_item=2, nesterov=True, cpu=False
+                numels, whole, [(built, rank, members)], param_item=4, ns_item=2, nesterov=True, cpu=False,
+                momentum_item=0 if item == 4 else item,
             )
-        )
+        )  # fmt: skip
     return tuple(momentum), tuple(peak)
+
+
+MOMENTUM_ITEMS = {"float32": 4, "bfloat16": 2, "int8": 1}  # plan --momentum-dtype: bytes per element
+
+
+def _maxima(entries: Sequence[MatrixEntry], rank: int) -> int:
+    """int8 momentum's float32 block maxima on ``rank``: its rows' blocks of 256 columns (blockwise)."""
+    total = 0
+    for e in entries:
+        rows, cols = block_shape(e.blocks[rank])
+        total += 4 * rows * math.ceil(cols / BLOCK) if rows * cols else 0
+    return total
