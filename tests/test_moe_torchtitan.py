@@ -51,6 +51,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -60,7 +61,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from muon_dtensor import Muon
-from muon_dtensor.tools.testing import run_ranks as run_fresh
+from tests import background
 from tests.models import dt, full_state
 from tests.stage_layouts import gradient
 
@@ -293,10 +294,30 @@ def titan_runs() -> dict[str, Any]:
     return out
 
 
+@background.job("titan_moe_runs")
+def _in_background(folder: Path) -> Path:
+    """``titan_runs`` on 4 fresh ranks, launched by a process of their own beside the session's
+    tests (tests/background.py): its main thread keeps a launcher, so torch is imported twice, not
+    once per rank. The ranks' results are saved to ``folder / "runs.pt"``."""
+    code = (
+        "import torch; from muon_dtensor.tools.testing import run_ranks; "
+        "from tests.test_moe_torchtitan import titan_runs; "
+        f"torch.save(run_ranks(titan_runs, 4, timeout=240), {str(folder / 'runs.pt')!r})"
+    )
+    done = background.run([sys.executable, "-c", code], timeout=300, env=background.environ())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "runs.pt"
+
+
+@pytest.fixture
+def titan_moe_runs() -> list[dict[str, Any]]:
+    return torch.load(background.result("titan_moe_runs"), weights_only=True)
+
+
 @needs_titan
 @pytest.mark.integration
-def test_torchtitan_moe_layouts_step_as_one_process() -> None:
-    results = run_fresh(titan_runs, 4, timeout=240)
+def test_torchtitan_moe_layouts_step_as_one_process(titan_moe_runs: list[dict[str, Any]]) -> None:
+    results = titan_moe_runs
     for key, layout in LAYOUTS.items():
         got = results[0][key]
         for tail, expected in PLACEMENTS[key].items():
