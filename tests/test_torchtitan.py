@@ -236,7 +236,7 @@ def test_torch_optim_group_keys_are_accepted_and_change_nothing() -> None:
         assert all(torch.equal(v, opts[1].state[q][k]) for k, v in opts[0].state[p].items()), name
 
 
-@pytest.mark.parametrize("key", ["capturable", "differentiable", "maximize"])
+@pytest.mark.parametrize("key", ["differentiable", "maximize"])
 def test_flags_that_would_change_the_step_are_refused(key: str) -> None:
     groups = _groups(Net(), {})
     groups[1][key] = True

@@ -21,12 +21,14 @@ from torch import nn
 from benchmarks.gpucheck.common import Settings, Skipped, error_text
 from benchmarks.gpucheck.step import LR, copy_model, make_model, make_optimizer, seed_grads, time_steps
 
-# name -> (how lr is held, whether it changes every step after the capture)
+# name -> (how lr is held, whether it changes every step after the capture); "capturable": a float64
+# CUDA tensor lr with Muon(capturable=True), whose replays should follow it (docs/design.md)
 VARIANTS = {
     "constant float lr": ("float", False),
     "float group['lr'], changed every step": ("float", True),
     "CPU tensor lr, filled every step": ("cpu", True),
     "CUDA tensor lr, filled every step": ("cuda", True),
+    "capturable=True, CUDA float64 lr, filled every step": ("capturable", True),
 }
 
 
@@ -36,9 +38,11 @@ class Run:
     def __init__(self, base: nn.Module, holder: str) -> None:
         self.model = copy_model(base)
         device = next(base.parameters()).device
-        where = {"cpu": torch.device("cpu"), "cuda": device}.get(holder)
-        self.lr = None if where is None else torch.tensor(LR, dtype=torch.float32, device=where)
-        self.opt = make_optimizer("muon_dtensor.Muon", self.model, LR if self.lr is None else self.lr)
+        where = {"cpu": torch.device("cpu"), "cuda": device, "capturable": device}.get(holder)
+        dtype = torch.float64 if holder == "capturable" else torch.float32
+        self.lr = None if where is None else torch.tensor(LR, dtype=dtype, device=where)
+        lr = LR if self.lr is None else self.lr
+        self.opt = make_optimizer("muon_dtensor.Muon", self.model, lr, capturable=holder == "capturable")
 
     def set_lr(self, value: float) -> None:
         if self.lr is not None:
@@ -102,7 +106,7 @@ def lockstep(graphed: Run, eager: Run, replay: Any, changing: bool, steps: int) 
 
 def variant(name: str, base: nn.Module, settings: Settings) -> dict[str, Any]:
     holder, changing = VARIANTS[name]
-    if holder == "cuda" and not settings.cuda:
+    if holder in ("cuda", "capturable") and not settings.cuda:
         return {"skipped": "needs CUDA"}
     seed_grads(base, 1)
     graphed, eager = Run(base, holder), Run(base, holder)

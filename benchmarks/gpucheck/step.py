@@ -72,9 +72,11 @@ def copy_model(base: nn.Module) -> nn.Module:
     return model
 
 
-def make_optimizer(label: str, model: nn.Module, lr: float | torch.Tensor = LR) -> torch.optim.Optimizer:
+def make_optimizer(
+    label: str, model: nn.Module, lr: float | torch.Tensor = LR, capturable: bool = False
+) -> torch.optim.Optimizer:
     if label == "muon_dtensor.Muon":
-        return Muon(split_params(model), lr=lr, weight_decay=WEIGHT_DECAY)
+        return Muon(split_params(model), lr=lr, weight_decay=WEIGHT_DECAY, capturable=capturable)
     if label == "torch.optim.Muon":
         return torch.optim.Muon(model.parameters(), lr=float(lr), weight_decay=WEIGHT_DECAY)
     return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=WEIGHT_DECAY, fused=True)

@@ -32,6 +32,7 @@ AGREED_KEYS = (
     "algorithm", "lr", "weight_decay", "momentum", "betas", "nesterov", "ns_coefficients", "eps",
     "ns_steps", "adjust_lr_fn", "ns_dtype", "momentum_dtype", "ns_algorithm", "mode", "max_round_bytes",
     "flatten", "experts", "split_sizes", "head_dim", "owners", "normuon", "beta2", "ns_split",
+    "capturable",
 )  # fmt: skip
 Entry = tuple[int, tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]]
 
@@ -72,8 +73,18 @@ def all_params(groups: Sequence[Mapping[str, Any]]) -> Entry:
 
 
 def settings_of(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The agreed settings of a group, as plain data."""
-    return tuple((k, plain(group[k])) for k in AGREED_KEYS if k in group)
+    """The agreed settings of a group, as plain data; a capturable group's tensor lr by its kind
+    only (its value stays on the device, where a schedule changes it in place)."""
+    device_lr = group.get("capturable", False) is True and isinstance(group.get("lr"), Tensor)
+    return tuple(
+        (k, _kind(group[k]) if device_lr and k == "lr" else plain(group[k]))
+        for k in AGREED_KEYS
+        if k in group
+    )
+
+
+def _kind(t: Tensor) -> str:
+    return f"tensor({t.dtype}, {t.device.type})"
 
 
 def explain(scope: Any, mine: list[Entry], everyone: dict[int, list[Entry]]) -> None:

@@ -9,13 +9,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..numerics.blockwise import BLOCK, absmax_shape, block_problem
 from ..sharding.plan.blocks import shard_blocks
 from ..sharding.plan.compat import _StridedShard
-from ..sharding.plan.param_layout import check_placements, shards_of
+from ..sharding.plan.param_layout import check_placements, local_of, shards_of
 from .names import not_heads
 from .warn import warn
 
@@ -63,6 +64,8 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
     muon = group["algorithm"] == "muon"
     for p, name in zip(group["params"], names):
         _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
+        if group.get("capturable", False):
+            _check_capturable_param(p, name, group["lr"])
         if muon:
             check_placements(p, name)
             _check_split_sizes(p, name, group)
@@ -133,3 +136,20 @@ def _check_int8_param(p: Tensor, name: str) -> None:
             problem = f"its block maxima would not be laid out as the shard holding columns [{start}, {end})"
         if problem is not None:
             raise ValueError(f"parameter '{name}' has placements {placements}: {problem}; {fix}")
+
+
+def _check_capturable_param(p: Tensor, name: str, lr: Any) -> None:
+    """``capturable=True`` keeps the step's scalars on the parameters' device for a CUDA graph: the
+    device must be one torch captures on (its capturable AdamW's list), a tensor lr on it too."""
+    supported = torch_optimizer._get_capturable_supported_devices()
+    device = local_of(p).device
+    if device.type not in supported:
+        raise ValueError(
+            f"parameter '{name}' is on {device}, but capturable=True is for parameters on a device "
+            f"torch captures graphs on ({', '.join(supported)}); set capturable=False for its group"
+        )
+    if isinstance(lr, Tensor) and lr.device != device:
+        raise ValueError(
+            f"parameter '{name}' is on {device} and its capturable group's tensor lr on {lr.device}: "
+            "a graph cannot read a scalar from another device; create the lr tensor on the parameters' device"
+        )

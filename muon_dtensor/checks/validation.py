@@ -53,9 +53,13 @@ _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
 
-def _check_lr(lr: float | Tensor) -> None:
+def _check_lr(lr: float | Tensor, capturable: bool = False) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
+    if capturable and isinstance(lr, Tensor):  # its value stays on the device: reading it would sync
+        if not lr.is_floating_point():
+            raise ValueError(f"a capturable group's tensor lr should be floating point but is {lr.dtype}")
+        return
     if not lr >= 0.0:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
     _check_finite("lr", lr)
@@ -112,7 +116,6 @@ def check_algorithm(group: dict[str, Any]) -> str:
 # torchtitan puts fused and foreach in every group: they pick a kernel, not the maths, and Muon has
 # one implementation, so they are ignored. These three, if set, would promise a step Muon does not take.
 _UNSUPPORTED_FLAGS = {
-    "capturable": "its step runs collectives and host-side checks that a CUDA graph cannot capture",
     "differentiable": "its step runs under torch.no_grad(), so autograd cannot see through it",
     "maximize": "it always minimizes; negate the loss instead",
 }
@@ -217,7 +220,8 @@ def _check_adjust_lr(fn: Any) -> None:
 
 def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     """torch.optim.Muon's argument checks, with its messages, and ours; returns the NS config."""
-    _check_lr(group["lr"])
+    _check_bool("capturable", group.get("capturable", False))
+    _check_lr(group["lr"], group.get("capturable", False))
     if not group["momentum"] >= 0.0:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not group["weight_decay"] >= 0.0:
@@ -267,7 +271,8 @@ def check_group(group: Mapping[str, Any]) -> NSConfig | None:
 
 def check_adamw_group(group: Mapping[str, Any]) -> None:
     """torch.optim.AdamW's argument checks, with its messages."""
-    _check_lr(group["lr"])
+    _check_bool("capturable", group.get("capturable", False))
+    _check_lr(group["lr"], group.get("capturable", False))
     if not group["eps"] >= 0.0:
         raise ValueError(f"Invalid epsilon value: {group['eps']}")
     beta1, beta2 = group["betas"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -57,18 +57,44 @@ def adjust_lr(lr: float, adjust_lr_fn: str | float | None, shape: Sequence[int])
     return lr * ADJUST_LR[adjust_lr_fn](rows, cols)
 
 
-def _mul_(tensors: list[Tensor], scalars: float | Sequence[float]) -> None:
+Scalar = float | Tensor  # a Python float, or a 0-dim float64 tensor (capturable: on the device)
+
+
+def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
     """Multiply in place by Python scalars, as ``Tensor.mul_`` does (the scalar kept in fp32 math).
 
     torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to a bf16/fp16 list's dtype first (0.998
     becomes 0.996: twice the weight decay; tests/test_update.py), so only fp32/fp64 lists take it.
+    Tensor scalars (``capturable``) multiply per distinct scalar: each one multi-tensor call.
     """
-    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
-        torch._foreach_mul_(tensors, scalars)
+    if isinstance(scalars, Tensor) or (
+        isinstance(scalars, Sequence) and any(isinstance(s, Tensor) for s in scalars)
+    ):
+        _mul_by_tensors_(tensors, scalars)
         return
-    values = list(scalars) if isinstance(scalars, Sequence) else [scalars] * len(tensors)
+    floats = cast("float | list[float]", list(scalars) if isinstance(scalars, Sequence) else scalars)
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        torch._foreach_mul_(tensors, floats)
+        return
+    values = floats if isinstance(floats, list) else [floats] * len(tensors)
     for t, v in zip(tensors, values):
         t.mul_(v)
+
+
+def _mul_by_tensors_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
+    """``_mul_`` by 0-dim tensors: the tensors sharing a scalar in one call (a float64 CPU scalar
+    multiplies as its Python float does, bit for bit: tests/test_capturable.py)."""
+    values = list(scalars) if isinstance(scalars, Sequence) else [scalars] * len(tensors)
+    by_scalar: dict[int, list[int]] = {}
+    for i, s in enumerate(values):
+        by_scalar.setdefault(id(s), []).append(i)
+    for index in by_scalar.values():
+        scalar, members = values[index[0]], [tensors[i] for i in index]
+        if all(t.dtype in (torch.float32, torch.float64) for t in members):
+            torch._foreach_mul_(members, scalar)
+        else:
+            for t in members:
+                t.mul_(scalar)
 
 
 def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
@@ -153,7 +179,7 @@ def momentum_rule(
     return source
 
 
-def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[float]) -> None:
+def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs: Sequence[Scalar]) -> None:
     """``out <- adjusted_lr * update``, in ``out``'s dtype (the parameter's): a cast, then a multiply."""
     if not updates:
         return
@@ -162,7 +188,7 @@ def scale_updates(updates: Sequence[Tensor], out: Sequence[Tensor], adjusted_lrs
 
 
 def apply_muon_update(
-    params: Sequence[Tensor], scaled_updates: Sequence[Tensor], *, lr: float, weight_decay: float
+    params: Sequence[Tensor], scaled_updates: Sequence[Tensor], *, lr: Scalar, weight_decay: float
 ) -> None:
     """``param <- param (1 - lr wd) - scaled_update`` for each pair: decoupled weight decay tied to lr."""
     if not params:
@@ -242,7 +268,7 @@ def nesterov_inputs(
 
 
 def scale_results(
-    results: Sequence[Tensor], dtypes: Sequence[torch.dtype], lrs: Sequence[float]
+    results: Sequence[Tensor], dtypes: Sequence[torch.dtype], lrs: Sequence[Scalar]
 ) -> list[Tensor]:
     """Each result times its adjusted lr, in its parameter's dtype: fresh contiguous tensors."""
     scaled = empty_like_all(results, dtypes)
@@ -254,9 +280,9 @@ def scale_results(
 def apply_results(
     params: Sequence[Tensor],
     results: Sequence[Tensor],
-    lrs: Sequence[float],
+    lrs: Sequence[Scalar],
     *,
-    lr: float,
+    lr: Scalar,
     weight_decay: float,
 ) -> None:
     """``param <- param (1 - lr wd) - adjusted_lr * result`` where a result is a parameter's whole update.
@@ -271,7 +297,7 @@ def apply_results(
 
 
 def apply_updates(
-    params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float, weight_decay: float
+    params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: Scalar, weight_decay: float
 ) -> None:
     """``param <- param (1 - lr wd) - update`` for already scaled, assembled updates."""
     for _, (p, u) in buckets([list(params), list(updates)]):

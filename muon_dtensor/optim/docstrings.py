@@ -57,6 +57,9 @@ MUON_ARGS = r"""
             option under which a sharded step is not bitwise the one-process step: it equals
             ``split_orthogonalize`` bitwise and the unsplit iteration within bf16 rounding
             (docs/design.md). Standard iteration, owner mode, no NorMuon. Also a per-group key.
+        capturable: keep the step's scalars on the device for a CUDA graph (default: False): a
+            0-dim tensor lr on the parameters' device is never read by the step, AdamW groups run
+            torch's capturable AdamW. CUDA (torch's capturable devices) only. Also a per-group key.
         orthogonalize_fn: how an owner orthogonalizes a batch of same-shape full matrices,
             ``(matrices, config: NSConfig) -> list of results`` (default:
             ``newton_schulz.orthogonalize``); NorMuon groups run it inside their row

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.adamw import adamw as torch_adamw
 
 from ..numerics.blockwise import int8_nesterov_inputs
 from ..numerics.elementwise import (
@@ -61,21 +62,35 @@ Orthogonalize = Callable[[Sequence[Tensor], NSConfig], list[Tensor]]
 
 @dataclass(frozen=True)
 class MuonHyper:
-    lr: float
+    lr: float | Tensor  # a Tensor only with ``capturable``: 0-dim float64 on the parameters' device
     weight_decay: float
     momentum: float
     nesterov: bool
     adjust_lr_fn: str | float | None
     normuon: bool = False
     beta2: float = DEFAULT_BETA2
+    _scaled: dict[float, Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> MuonHyper:
-        """A param group's values (a tensor lr read once, as a float)."""
+        """A param group's values: a tensor lr read once, as a float, or with ``capturable`` kept
+        on its device in float64 (the Python float's arithmetic, so the bits are the float's)."""
+        lr = group["lr"]
+        device_lr = group.get("capturable", False) and isinstance(lr, Tensor)
         keys = ("weight_decay", "momentum", "nesterov", "adjust_lr_fn")
-        hyper = cls(float(group["lr"]), *(group[k] for k in keys))
+        hyper = cls(lr.to(torch.float64) if device_lr else float(lr), *(group[k] for k in keys))
         normuon = bool(group.get("normuon", False))
         return replace(hyper, normuon=normuon, beta2=float(group.get("beta2", DEFAULT_BETA2)))
+
+    def adjusted(self, shape: Sequence[int]) -> float | Tensor:
+        """``adjust_lr`` for a matrix of global ``shape``: ``lr * factor``, one device scalar per
+        factor with a tensor lr (shapes that share a factor share it)."""
+        factor = adjust_lr(1.0, self.adjust_lr_fn, shape)
+        if not isinstance(self.lr, Tensor):
+            return self.lr * factor
+        if factor not in self._scaled:
+            self._scaled[factor] = self.lr * factor
+        return self._scaled[factor]
 
 
 def muon_step(
@@ -198,15 +213,17 @@ def _timed(
     return timed
 
 
-def _record_update(stats: CommStats, results: Sequence[Tensor], lrs: Sequence[float]) -> None:
-    """Add this rank's pieces' sum of (adjusted lr * result)^2 to ``stats``: a few ops per round, on
-    the device, never read here (no host sync)."""
-    pieces = [(r, lr) for r, lr in zip(results, lrs) if r.numel()]
+def _record_update(
+    stats: CommStats, results: Sequence[Tensor], factors: Sequence[float], lr: float | Tensor
+) -> None:
+    """Add this rank's pieces' sum of (lr * factor * result)^2 to ``stats``: a few ops per round,
+    on the device, never read here and with no host-to-device copy (both would stop a graph)."""
+    pieces = [(r, f) for r, f in zip(results, factors) if r.numel()]
     if not pieces:
         return
-    norms = torch.stack(torch._foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32))
-    weights = torch.tensor([lr * lr for _, lr in pieces], device=norms.device)
-    total = (norms.square() * weights).sum()
+    norms = torch._foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32)
+    weighted = torch.stack(torch._foreach_mul(norms, [f for _, f in pieces]))
+    total = weighted.square().sum() * (lr * lr)
     stats.update_sq = total if stats.update_sq is None else stats.update_sq + total
     stats.update_elements += sum(r.numel() for r, _ in pieces)
 
@@ -222,9 +239,10 @@ def _finalize(
 ) -> None:
     """This rank's pieces of a round's results: whole-matrix parameters updated now, the others
     scaled and placed into their update."""
-    lrs = [adjust_lr(hyper.lr, hyper.adjust_lr_fn, pairs[k][1].matrix_shape) for k in members]
+    lrs = [hyper.adjusted(pairs[k][1].matrix_shape) for k in members]
     if stats is not None:
-        _record_update(stats, results, lrs)
+        factors = [adjust_lr(1.0, hyper.adjust_lr_fn, pairs[k][1].matrix_shape) for k in members]
+        _record_update(stats, results, factors, hyper.lr)
     now = [i for i, k in enumerate(members) if pairs[k][0] not in assembled]
     later = [i for i, k in enumerate(members) if pairs[k][0] in assembled]
     apply_results(
@@ -275,8 +293,18 @@ def adamw_step(
 def adamw_group_step(
     state: Mapping[Tensor, dict[str, Any]], group: Mapping[str, Any], params: Sequence[Tensor]
 ) -> None:
-    """An AdamW group's step over ``params`` (those with a gradient), on their local shards."""
+    """An AdamW group's step over ``params`` (those with a gradient), on their local shards; with
+    ``capturable``, torch's own capturable AdamW (counters and bias correction on the device)."""
     states = [state[p] for p in params]
+    if group.get("capturable", False):
+        beta1, beta2 = group["betas"]
+        torch_adamw(
+            [local_of(p) for p in params], [local_grad(p) for p in params],
+            [local_of(s["exp_avg"]) for s in states], [local_of(s["exp_avg_sq"]) for s in states],
+            [], [s["step"] for s in states], foreach=True, capturable=True, amsgrad=False, beta1=beta1,
+            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )  # fmt: skip
+        return
     adamw_step(
         [local_of(p) for p in params],
         [local_grad(p) for p in params],

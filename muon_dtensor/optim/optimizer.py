@@ -92,6 +92,7 @@ class Muon(report.Reports, Optimizer):
         max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
         owners: Owners = "auto",
         ns_split: NSSplit = "off",
+        capturable: bool = False,
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
         validation.check_momentum_dtype_argument(momentum_dtype)
@@ -105,6 +106,7 @@ class Muon(report.Reports, Optimizer):
             max_round_bytes=max_round_bytes,
             owners=owners,
             ns_split=ns_split,
+            capturable=capturable,
             ns_dtype=validation.ns_dtype_name(ns_dtype),
             momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
         )

@@ -59,8 +59,10 @@ def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> torch.dtype
     a load brought another) is converted; returns its previous dtype then, else None."""
     muon = group["algorithm"] == "muon"
     mine = state[p]
-    if not muon and "step" not in mine:
-        mine["step"] = torch.tensor(0.0, dtype=torch.float32)
+    if not muon:  # AdamW's counter: on the host, or with capturable on the device (as torch's)
+        where = local_of(p).device if group.get("capturable", False) else torch.device("cpu")
+        step = mine.get("step", torch.tensor(0.0))
+        mine["step"] = step.detach().to(where, torch.float32)
     for key in (MOMENTUM,) if muon else ("exp_avg", "exp_avg_sq"):
         if key not in mine:
             dtype = momentum_dtype(group, p) if muon else p.dtype
@@ -227,13 +229,11 @@ def put_momentum(
 def settle_loaded(state: State, groups: Sequence[Mapping[str, Any]]) -> list[Conversion]:
     """After torch's ``load_state_dict``: state the checkpoint lacked created again, momentum
     buffers converted to their group's ``momentum_dtype`` (returned: which, from and to what), and
-    AdamW's counters (saved on a device, perhaps) back on the host as float32."""
+    AdamW's counters (saved on a device, perhaps) on the host as float32, or on the device with
+    ``capturable``."""
     converted = []
     for index, group in enumerate(groups):
         converted += init_params(state, group, index, range(len(group["params"])))
-        for p in group["params"]:
-            if "step" in state[p]:
-                state[p]["step"] = state[p]["step"].detach().to("cpu", torch.float32)
     return converted
 
 
@@ -259,7 +259,10 @@ class StateWalks:
         key = (
             generation,
             id(state),
-            [(g["algorithm"], g.get("momentum_dtype"), g.get("normuon")) for g in groups],
+            [
+                (g["algorithm"], g.get("momentum_dtype"), g.get("normuon"), g.get("capturable"))
+                for g in groups
+            ],
         )
         if key == self._key:
             return []

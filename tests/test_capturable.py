@@ -1,0 +1,163 @@
+"""``Muon(capturable=True)``: a steady step a CUDA graph can replay with the learning rate changing.
+
+With a 0-dim tensor lr on the parameters' device, changed in place as a schedule does (``fill_``),
+the Muon step keeps lr, its ``1 - lr wd`` and ``lr * factor`` on the device in float64 (the Python
+float's arithmetic), and AdamW groups run torch's own capturable AdamW (counters and bias correction
+on the device). CPU has no graphs and torch refuses capturable AdamW there, so these tests let the
+CPU stand in for CUDA (``cpu_stands_in``) and check what a graph needs: nothing read back, the same
+ops and allocations every step, and the bits of the float-lr step (Muon) and of
+``torch.optim.AdamW(capturable=True)`` (AdamW), in one process and sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.optim.adam as torch_adam
+import torch.optim.optimizer as torch_optimizer
+from torch import nn
+
+from muon_dtensor import Muon, split_params
+from muon_dtensor.sharding.plan.param_layout import local_of
+from tests.models import build, distribute_like, full, model_grads
+from tests.ranks import run_ranks
+from tests.test_capture_safety import Allocations
+from tests.test_host_sync import SyncWatch
+
+STEPS = 4
+
+
+@contextlib.contextmanager
+def cpu_stands_in() -> Iterator[None]:
+    """torch's capturable devices with the CPU added, for our check and torch's capturable AdamW."""
+    devices = [*torch_optimizer._get_capturable_supported_devices(), "cpu"]
+    with (
+        mock.patch.object(torch_optimizer, "_get_capturable_supported_devices", lambda *a, **k: devices),
+        mock.patch.object(torch_adam, "_get_capturable_supported_devices", lambda *a, **k: devices),
+    ):
+        yield
+
+
+def lr_at(step: int) -> float:
+    return 0.02 * (1.0 - 0.1 * step)
+
+
+def run(world: int, capturable: bool, watch_step: int | None = None) -> dict[str, Any]:
+    """``STEPS`` steps of tests.models' Net (one process, or FSDP2 over ``world`` ranks) with the
+    lr changed before each: a float64 tensor filled in place (``capturable``), else floats. Returns
+    the full weights and state, and for ``watch_step`` its ops and host reads."""
+    model = build((world,) if world > 1 else None)
+    lr = torch.tensor(lr_at(0), dtype=torch.float64)
+    groups = split_params(model)
+    opt = Muon(groups, lr=lr if capturable else lr_at(0), capturable=capturable)
+    grads = model_grads(model, 30)
+    out: dict[str, Any] = {}
+    for step in range(STEPS):
+        for p, g in zip(model.parameters(), grads(step)):
+            p.grad = distribute_like(p, g)
+        if capturable:
+            lr.fill_(lr_at(step))
+        else:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+        if step != watch_step:
+            opt.step()
+            continue
+        ops, watch = Allocations(), SyncWatch([lr, *_device_tensors(model, opt)])
+        with ops, watch:
+            opt.step()
+        out["ops"], out["found"] = ops.ops, watch.found
+    out["state"] = {
+        f"{n}:{k}": full(v).clone()
+        for n, p in model.named_parameters()
+        for k, v in [("w", p.detach()), *opt.state[p].items()]
+    }
+    out["muon"] = [n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
+    return out
+
+
+def _device_tensors(model: nn.Module, opt: Muon) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    return [local_of(t) for p in params for t in (p, p.grad, *opt.state[p].values()) if t is not None]
+
+
+def torch_adamw(world: int) -> dict[str, torch.Tensor]:
+    """The AdamW parameters of the same run under ``torch.optim.AdamW(capturable=True)``."""
+    model = build(None)
+    adamw = [g for g in split_params(model) if g.get("algorithm") == "adamw"]
+    lr = torch.tensor(lr_at(0), dtype=torch.float64)
+    opt = torch.optim.AdamW(
+        [{"params": [p for _, p in g["params"]], **{k: v for k, v in g.items() if k in ("weight_decay", "betas", "eps")}} for g in adamw],
+        lr=lr, capturable=True, foreach=True,
+    )  # fmt: skip
+    grads = model_grads(model, 30)
+    for step in range(STEPS):
+        for p, g in zip(model.parameters(), grads(step)):
+            p.grad = g
+        lr.fill_(lr_at(step))
+        opt.step()
+    return {f"{n}:w": p.detach().clone() for g in adamw for n, p in g["params"]}
+
+
+def steady(world: int) -> dict[str, Any]:
+    with cpu_stands_in():
+        plain, captured = run(world, False), run(world, True, watch_step=STEPS - 1)
+        before = run(world, True, watch_step=STEPS - 2)
+    return {"plain": plain, "captured": captured, "before": before}
+
+
+def _check(r: dict[str, Any], reference: dict[str, Any] | None = None) -> None:
+    plain, captured = r["plain"]["state"], r["captured"]["state"]
+    muon = [k for k in plain if k.split(":")[0] in r["plain"]["muon"]]
+    assert muon and [k for k in muon if not torch.equal(plain[k], captured[k])] == []
+    assert r["captured"]["found"] == [], r["captured"]["found"]
+    assert r["before"]["ops"] == r["captured"]["ops"]  # the same ops and allocations, step to step
+    if reference is not None:
+        assert [k for k in reference if not torch.equal(captured[k], reference[k])] == []
+
+
+def test_one_process_steps_as_the_float_lr_and_torchs_capturable_adamw() -> None:
+    r = steady(1)
+    with cpu_stands_in():
+        adamw = torch_adamw(1)
+    assert adamw
+    _check(r, adamw)
+
+
+def test_sharded_steps_equal_the_one_process_capturable_step() -> None:
+    one = steady(1)["captured"]["state"]
+    for rank, r in enumerate(run_ranks(steady, 2, 2, timeout=120)):
+        _check(r)
+        assert [k for k in one if not torch.equal(r["captured"]["state"][k], one[k])] == [], rank
+
+
+def test_a_float_lr_the_group_reads_is_a_host_read_the_capturable_step_avoids() -> None:
+    """Without capturable a tensor lr is checked and read once per step as a float: host reads (a
+    sync each on CUDA); with it, neither."""
+    model = build(None)
+    lr = torch.tensor(0.02, dtype=torch.float64)
+    for capturable, expected in ((False, {"__bool__", "__float__"}), (True, set())):
+        with cpu_stands_in():
+            opt = Muon(split_params(model), lr=lr, capturable=capturable)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            watch = SyncWatch([lr])
+            with watch:
+                opt.step()
+        assert set(watch.found) == expected, watch.found  # checked (lr >= 0), then read as a float
+
+
+def test_refused_where_torch_cannot_capture_naming_the_parameter() -> None:
+    model = build(None)
+    with pytest.raises(
+        ValueError, match=r"parameter '.*' is on cpu, but capturable=True is for parameters on a device"
+    ):
+        Muon(split_params(model), lr=0.02, capturable=True)
+    with cpu_stands_in(), pytest.raises(ValueError, match="capturable should be True or False"):
+        Muon(split_params(model), lr=0.02, capturable="yes")  # type: ignore[arg-type]
