@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "result", "ru
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
+TIMES: list[tuple[str, float, float]] = []  # each job's start and end, seconds after the first start
 # The environment at the session's start: a job runs beside tests that may change os.environ for a
 # while (monkeypatch.setenv), so it builds its subprocesses' environment from this one (``environ``).
 _ENVIRON = dict(os.environ)
@@ -92,6 +94,7 @@ class Runner:
     """The session's background jobs, one after another on one thread."""
 
     def __init__(self, names: list[str]) -> None:
+        self.born = time.monotonic()
         self.folder = Path(tempfile.mkdtemp(prefix="muon_dtensor_jobs_"))
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -107,7 +110,11 @@ class Runner:
     def _run(self, name: str) -> Any:
         folder = self.folder / name
         folder.mkdir()
-        return JOBS[name](folder)
+        begin = time.monotonic() - self.born
+        try:
+            return JOBS[name](folder)
+        finally:
+            TIMES.append((name, begin, time.monotonic() - self.born))
 
     def close(self) -> None:
         """Kill what still runs (an interrupted session), then remove the outputs."""

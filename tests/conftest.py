@@ -99,7 +99,11 @@ def _module_tests(item: pytest.Item) -> set[str]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """How often rank pools started (each start imports torch on every rank and meets over gloo)."""
+    """How often rank pools started (each start imports torch on every rank and meets over gloo),
+    and when each background job ran (a session that ends waiting on one is bound by the jobs)."""
+    if background.TIMES:
+        spans = ", ".join(f"{n} {a:.0f}-{b:.0f}" for n, a, b in background.TIMES)
+        terminalreporter.write_line(f"background jobs (s after collection): {spans}")
     if ranks.STARTS:
         seconds = sum(s for _, s, _ in ranks.STARTS)
         sizes = sorted({w for w, _, _ in ranks.STARTS})
