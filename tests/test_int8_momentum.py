@@ -25,7 +25,8 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from muon_dtensor.numerics.blockwise import BLOCK, dequantize, quantize
 from muon_dtensor.optim.state import MOMENTUM, MOMENTUM_ABSMAX
-from tests.models import distribute_like, full
+from tests.models import distribute_like
+from tests.named_params import AsModule, snapshot, train
 from tests.ranks import run_ranks
 from tests.stage_layouts import gradient
 
@@ -146,29 +147,6 @@ def _groups(params: dict[str, nn.Parameter]) -> list[dict[str, Any]]:
     ]
 
 
-def train(params: dict[str, nn.Parameter], opt: Muon, steps: range) -> None:
-    for step in steps:
-        opt.zero_grad(set_to_none=True)
-        for name, p in params.items():
-            p.grad = distribute_like(p, gradient(name, tuple(p.shape), step))
-        opt.step()
-
-
-def snapshot(params: dict[str, nn.Parameter], opt: Muon) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in params.items():
-        out[name] = full(p.detach()).clone()
-        out.update({f"{name}:{k}": full(v).clone() for k, v in opt.state[p].items()})
-    return out
-
-
-class _Model(nn.Module):
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
-        super().__init__()
-        for name, p in params.items():
-            self.register_parameter(name, p)
-
-
 @functools.cache
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     params, opt = build(None, 0)
@@ -181,13 +159,13 @@ def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 def sharded_runs(root: str) -> dict[str, Any]:
     params, opt = build("fsdp x tp", 0)
     train(params, opt, range(SPLIT))
-    ckpt.save_checkpoint(root, SPLIT, _Model(params), opt)
+    ckpt.save_checkpoint(root, SPLIT, AsModule(params), opt)
     out: dict[str, Any] = {"fsdp x tp": snapshot(params, opt)}
     train(params, opt, range(SPLIT, TOTAL))
     out["fsdp x tp after"] = snapshot(params, opt)
     for layout in ("fsdp", "hsdp"):
         params, opt = build(layout, seed=5)
-        assert ckpt.load_checkpoint(root, _Model(params), opt) == {"step": SPLIT}
+        assert ckpt.load_checkpoint(root, AsModule(params), opt) == {"step": SPLIT}
         out[layout] = snapshot(params, opt)
         train(params, opt, range(SPLIT, TOTAL))
         out[f"{layout} after"] = snapshot(params, opt)
@@ -204,7 +182,7 @@ def test_sharded_steps_equal_one_process_and_a_checkpoint_reshards_exactly(tmp_p
                 assert [k for k in want if not torch.equal(got[k], want[k])] == [], (rank, layout + case)
     # 4 ranks -> one process: the same checkpoint into plain tensors
     params, opt = build(None, seed=7)
-    assert ckpt.load_checkpoint(str(tmp_path), _Model(params), opt) == {"step": SPLIT}
+    assert ckpt.load_checkpoint(str(tmp_path), AsModule(params), opt) == {"step": SPLIT}
     assert [k for k, v in snapshot(params, opt).items() if not torch.equal(v, saved[k])] == []
 
 
@@ -224,9 +202,9 @@ def _refusals(root: str) -> list[str]:
     except ValueError as e:
         errors.append(str(e))
     params, opt8 = build(None, 0)  # a float32-momentum checkpoint into an int8 optimizer
-    ckpt.save_checkpoint(root, 1, _Model(params), Muon(_groups(params), lr=0.02))
+    ckpt.save_checkpoint(root, 1, AsModule(params), Muon(_groups(params), lr=0.02))
     try:
-        ckpt.load_checkpoint(root, _Model(params), opt8)
+        ckpt.load_checkpoint(root, AsModule(params), opt8)
     except ckpt.CheckpointError as e:
         errors.append(str(e))
     dist.barrier()

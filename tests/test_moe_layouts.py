@@ -19,9 +19,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
-from tests.models import distribute_like, full
+from tests.named_params import AsModule, snapshot, train
 from tests.ranks import run_ranks
-from tests.stage_layouts import gradient
 
 E, DIM, HIDDEN = 4, 8, 12
 SPLIT, TOTAL = 2, 3
@@ -68,31 +67,6 @@ def build(ep: int | None, seed: int) -> tuple[dict[str, nn.Parameter], Muon]:
     return params, Muon(_groups(params), lr=0.02)
 
 
-def train(params: dict[str, nn.Parameter], opt: Muon, steps: range) -> None:
-    for step in steps:
-        opt.zero_grad(set_to_none=True)
-        for name, p in params.items():
-            p.grad = distribute_like(p, gradient(name, tuple(p.shape), step))
-        opt.step()
-
-
-def snapshot(params: dict[str, nn.Parameter], opt: Muon) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in params.items():
-        out[name] = full(p.detach()).clone()
-        out.update({f"{name}:{k}": full(v).clone() for k, v in opt.state[p].items()})
-    return out
-
-
-class _Model(nn.Module):
-    """The parameters as a module, for the checkpoint helpers (FQNs = the parameters' names)."""
-
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
-        super().__init__()
-        for name, p in params.items():
-            self.register_parameter(name, p)
-
-
 @functools.cache
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     params, opt = build(None, 0)
@@ -120,7 +94,7 @@ def test_moe_on_ep_by_fsdp_steps_as_one_process_and_resumes_on_other_ep_degrees(
 def moe_runs(root: str) -> dict[str, Any]:
     params, opt = build(2, 0)
     train(params, opt, range(SPLIT))
-    ckpt.save_checkpoint(root, SPLIT, _Model(params), opt)
+    ckpt.save_checkpoint(root, SPLIT, AsModule(params), opt)
     loaded = snapshot(params, opt)
     train(params, opt, range(SPLIT, TOTAL))
     done = torch.tensor([opt.comm_stats.orthogonalized])
@@ -129,7 +103,7 @@ def moe_runs(root: str) -> dict[str, Any]:
     out["describe"] = opt.describe()
     for case, ep in (("ep2->ep4", 4), ("ep2->no ep", 1)):
         params, opt = build(ep, seed=5)
-        assert ckpt.load_checkpoint(root, _Model(params), opt) == {"step": SPLIT}
+        assert ckpt.load_checkpoint(root, AsModule(params), opt) == {"step": SPLIT}
         loaded = snapshot(params, opt)
         train(params, opt, range(SPLIT, TOTAL))
         out[case] = (loaded, snapshot(params, opt))

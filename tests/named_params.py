@@ -1,0 +1,39 @@
+"""A model as a dict of named parameters, for tests that lay each parameter out by hand (MoE
+stacks, int8 momentum): steps on the synthetic gradients of ``tests.stage_layouts.gradient``, the
+full weights and state, and the parameters as a module for the checkpoint helpers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from muon_dtensor import Muon
+from tests.models import distribute_like, full
+from tests.stage_layouts import gradient
+
+
+def train(params: dict[str, nn.Parameter], opt: Muon, steps: range) -> None:
+    """Steps on the same full gradient per name and step in every layout."""
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        for name, p in params.items():
+            p.grad = distribute_like(p, gradient(name, tuple(p.shape), step))
+        opt.step()
+
+
+def snapshot(params: dict[str, nn.Parameter], opt: Muon) -> dict[str, torch.Tensor]:
+    """Every full weight (by name) and state entry (``name:key``)."""
+    out = {}
+    for name, p in params.items():
+        out[name] = full(p.detach()).clone()
+        out.update({f"{name}:{k}": full(v).clone() for k, v in opt.state[p].items()})
+    return out
+
+
+class AsModule(nn.Module):
+    """The parameters as a module, for the checkpoint helpers (FQNs = the parameters' names)."""
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        super().__init__()
+        for name, p in params.items():
+            self.register_parameter(name, p)
