@@ -161,3 +161,22 @@ def test_refused_where_torch_cannot_capture_naming_the_parameter() -> None:
         Muon(split_params(model), lr=0.02, capturable=True)
     with cpu_stands_in(), pytest.raises(ValueError, match="capturable should be True or False"):
         Muon(split_params(model), lr=0.02, capturable="yes")  # type: ignore[arg-type]
+
+
+def test_a_load_keeps_this_optimizers_capturable() -> None:
+    """``capturable`` says how this job keeps its scalars (on a GPU or not), not what the run was:
+    a state dict saved with it loads into an optimizer without it, and back, each keeping its own."""
+    model = build(None)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with cpu_stands_in():
+        captured = Muon(split_params(model), lr=0.02, capturable=True)
+        captured.step()
+        plain = Muon(split_params(model), lr=0.02)
+        plain.load_state_dict(captured.state_dict())
+        captured.load_state_dict(plain.state_dict())
+    assert {g["capturable"] for g in plain.param_groups} == {False}
+    assert {g["capturable"] for g in captured.param_groups} == {True}
+    plain.step()  # AdamW's counters came back to the host: the float path steps
+    counters = {s["step"].device.type for s in plain.state.values() if "step" in s}
+    assert counters == {"cpu"}

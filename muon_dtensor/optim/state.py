@@ -125,7 +125,8 @@ def follow_replaced(state: State, groups: Sequence[Mapping[str, Any]], seen: dic
         seen[index] = list(group["params"])
 
 
-KEPT_KEYS = ("param_names", "momentum_dtype")  # a load keeps this optimizer's, not the saved ones
+# A load keeps this optimizer's, not the saved ones: names, and how this job keeps its state
+KEPT_KEYS = ("param_names", "momentum_dtype", "capturable")
 
 
 def row_states(state: State, group: Mapping[str, Any]) -> list[Tensor | None]:
