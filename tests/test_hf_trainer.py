@@ -22,6 +22,7 @@ etc. from the environment and keeps process-wide state. Skipped without transfor
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor.integrations.hf import FsdpOnCpu, MuonForTrainer
-from muon_dtensor.tools.testing import run_ranks
+from tests import background
 from tests.models import full
 
 transformers = pytest.importorskip("transformers")
@@ -46,14 +47,37 @@ KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 Snapshot = dict[str, torch.Tensor]
 
 
+@background.job("trainer_runs")
+def _trainer_runs(folder: Path) -> tuple[Path, Path]:
+    """``train_and_save`` then ``resume`` on 2 fresh ranks each, launched by a process of their own
+    beside the session's tests (tests/background.py); what the ranks return in ``folder``'s
+    ``runs.pt``, their checkpoints in ``folder / "ckpt"``."""
+    code = (
+        "import torch; from muon_dtensor.tools.testing import run_ranks; "
+        "from tests.test_hf_trainer import resume, train_and_save; "
+        f"root = {str(folder / 'ckpt')!r}; "
+        "first = run_ranks(train_and_save, 2, root, timeout=240); "
+        f"torch.save((first, run_ranks(resume, 2, root, timeout=240)), {str(folder / 'runs.pt')!r})"
+    )
+    (folder / "ckpt").mkdir()
+    done = background.run([sys.executable, "-c", code], timeout=600, env=background.environ())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "runs.pt", folder / "ckpt"
+
+
+@pytest.fixture
+def trainer_runs() -> tuple[Any, Path]:
+    runs, root = background.result("trainer_runs")
+    return torch.load(runs, weights_only=True), root
+
+
 @pytest.mark.slow
-def test_trainer_fsdp2_resumes_momentum_and_run_exactly(tmp_path: Path) -> None:
-    first = run_ranks(train_and_save, 2, str(tmp_path), timeout=240)
+def test_trainer_fsdp2_resumes_momentum_and_run_exactly(trainer_runs: tuple[Any, Path]) -> None:
+    (first, second), tmp_path = trainer_runs
     # accelerate's two formats for the optimizer: DCP shards, or one full file from rank 0
     saved_as = {"SHARDED_STATE_DICT": "optimizer_0/.metadata", "FULL_STATE_DICT": "optimizer.bin"}
     for kind, name in saved_as.items():
         assert (tmp_path / kind / f"checkpoint-{SAVED}" / name).is_file(), (kind, name)
-    second = run_ranks(resume, 2, str(tmp_path), timeout=240)
     for rank in range(2):
         for kind in KINDS:
             straight, resumed = first[rank][kind], second[rank][kind]
