@@ -112,10 +112,7 @@ def muon_step(
     ``base``: how an owner orthogonalizes a batch of full matrices (``resolve_orthogonalize`` makes
     the group's one compute of it). ``absmaxes``: the block maxima of 8-bit ``bufs``
     (``momentum_dtype="int8"``), None for float buffers."""
-    if absmaxes is None:
-        ns_in = nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, config.dtype)
-    else:
-        ns_in = int8_nesterov_inputs(bufs, absmaxes, grads, hyper.momentum, hyper.nesterov, config.dtype)
+    ns_in = _ns_inputs(bufs, grads, absmaxes, hyper, config.dtype)
     compute = _timed(resolve_orthogonalize(hyper, config, base), stats)
     if hyper.normuon:
         assert second_moments is not None, "a NorMuon step needs its second moments"
@@ -140,6 +137,20 @@ def muon_step(
     apply_updates(
         [params[i] for i in mine], list(assembled.values()), lr=hyper.lr, weight_decay=hyper.weight_decay
     )
+
+
+def _ns_inputs(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    absmaxes: Sequence[Tensor] | None,
+    hyper: MuonHyper,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """The momentum rule on float buffers, or on 8-bit ones with their block maxima; returns the
+    Newton-Schulz inputs."""
+    if absmaxes is None:
+        return nesterov_inputs(bufs, grads, hyper.momentum, hyper.nesterov, dtype)
+    return int8_nesterov_inputs(bufs, absmaxes, grads, hyper.momentum, hyper.nesterov, dtype)
 
 
 def resolve_orthogonalize(
