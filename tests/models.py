@@ -10,9 +10,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.optim import Optimizer
+
+from muon_dtensor.sharding.plan.compat import _StridedShard
 
 Place = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Opt = TypeVar("Opt", bound=Optimizer)
@@ -109,8 +111,14 @@ def full_state(model: nn.Module, opt: Optimizer) -> dict[str, torch.Tensor]:
 
 
 def distribute_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """A full gradient ``g`` laid out like the parameter ``p``."""
-    return distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+    """A full gradient ``g`` laid out like the parameter ``p``; through a replicated copy where ``p``
+    has a ``_StridedShard`` (FSDP over an EP or TP shard of dim 0), which ``distribute_tensor`` refuses."""
+    if not isinstance(p, DTensor):
+        return g
+    mesh = p.device_mesh
+    if not any(isinstance(q, _StridedShard) for q in p.placements):
+        return distribute_tensor(g, mesh, p.placements)
+    return distribute_tensor(g, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, p.placements)
 
 
 def random_grads(shapes: Sequence[torch.Size | tuple[int, ...]], seed: int) -> list[torch.Tensor]:

@@ -30,6 +30,16 @@ def snapshot(params: dict[str, nn.Parameter], opt: Muon) -> dict[str, torch.Tens
     return out
 
 
+def saved_and_final(
+    params: dict[str, nn.Parameter], opt: Muon, split: int, total: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``snapshot`` after ``split`` steps (what a checkpoint there saves) and after ``total``."""
+    train(params, opt, range(split))
+    saved = snapshot(params, opt)
+    train(params, opt, range(split, total))
+    return saved, snapshot(params, opt)
+
+
 class AsModule(nn.Module):
     """The parameters as a module, for the checkpoint helpers (FQNs = the parameters' names)."""
 

@@ -26,7 +26,7 @@ from muon_dtensor import Muon
 from muon_dtensor.numerics.blockwise import BLOCK, dequantize, quantize
 from muon_dtensor.optim.state import MOMENTUM, MOMENTUM_ABSMAX
 from tests.models import distribute_like
-from tests.named_params import AsModule, snapshot, train
+from tests.named_params import AsModule, saved_and_final, snapshot, train
 from tests.ranks import run_ranks
 from tests.stage_layouts import gradient
 
@@ -149,11 +149,7 @@ def _groups(params: dict[str, nn.Parameter]) -> list[dict[str, Any]]:
 
 @functools.cache
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    params, opt = build(None, 0)
-    train(params, opt, range(SPLIT))
-    saved = snapshot(params, opt)
-    train(params, opt, range(SPLIT, TOTAL))
-    return saved, snapshot(params, opt)
+    return saved_and_final(*build(None, 0), SPLIT, TOTAL)
 
 
 def sharded_runs(root: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
-from tests.named_params import AsModule, snapshot, train
+from tests.named_params import AsModule, saved_and_final, snapshot, train
 from tests.ranks import run_ranks
 
 E, DIM, HIDDEN = 4, 8, 12
@@ -69,11 +69,7 @@ def build(ep: int | None, seed: int) -> tuple[dict[str, nn.Parameter], Muon]:
 
 @functools.cache
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    params, opt = build(None, 0)
-    train(params, opt, range(SPLIT))
-    saved = snapshot(params, opt)
-    train(params, opt, range(SPLIT, TOTAL))
-    return saved, snapshot(params, opt)
+    return saved_and_final(*build(None, 0), SPLIT, TOTAL)
 
 
 def test_moe_on_ep_by_fsdp_steps_as_one_process_and_resumes_on_other_ep_degrees(tmp_path: Path) -> None:

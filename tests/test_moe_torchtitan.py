@@ -58,12 +58,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from muon_dtensor import Muon
 from tests import background
 from tests.models import dt, full_state
-from tests.stage_layouts import gradient
+from tests.stage_layouts import gradient, train
 
 needs_titan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed"
@@ -235,24 +234,6 @@ def muon(model: nn.Module, owners: str = "auto") -> Muon:
         lr=0.02,
         owners=owners,  # type: ignore[arg-type]
     )
-
-
-def laid_out_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The full gradient ``g`` laid out like ``p``: replicated, then redistributed, because
-    ``distribute_tensor`` refuses ``_StridedShard`` (FSDP's placement over an EP or TP shard of dim 0)."""
-    if not isinstance(p, DTensor):
-        return g
-    mesh = p.device_mesh
-    return distribute_tensor(g, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, p.placements)
-
-
-def train(model: nn.Module, opt: Muon, steps: range) -> None:
-    """The same full gradient per FQN and step in every layout (``tests.stage_layouts.gradient``)."""
-    for step in steps:
-        opt.zero_grad(set_to_none=True)
-        for name, p in model.named_parameters():
-            p.grad = laid_out_like(p, gradient(name, tuple(p.shape), step))
-        opt.step()
 
 
 def placements(model: nn.Module) -> dict[str, tuple[tuple[str, ...], str]]:
