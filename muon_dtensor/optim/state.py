@@ -62,7 +62,9 @@ def init_state(state: State, group: Mapping[str, Any], p: Tensor) -> torch.dtype
     if not muon:  # AdamW's counter: on the host, or with capturable on the device (as torch's)
         where = local_of(p).device if group.get("capturable", False) else torch.device("cpu")
         step = mine.get("step", torch.tensor(0.0))
-        mine["step"] = step.detach().to(where, torch.float32)
+        if step.device != where or step.dtype != torch.float32:  # else the same tensor stays
+            step = step.detach().to(where, torch.float32)
+        mine["step"] = step
     for key in (MOMENTUM,) if muon else ("exp_avg", "exp_avg_sq"):
         if key not in mine:
             dtype = momentum_dtype(group, p) if muon else p.dtype

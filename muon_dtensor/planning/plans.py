@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ..numerics.blockwise import BLOCK
+from ..numerics.blockwise import absmax_shape
 from ..sharding.plan.blocks import AxisShard, Block, block_shape, mesh_blocks, shard_blocks
 from ..sharding.plan.build import MatrixEntry, Plan, build_plan
 from ..sharding.plan.memory import group_peak
@@ -91,8 +91,5 @@ MOMENTUM_ITEMS = {"float32": 4, "bfloat16": 2, "int8": 1}  # plan --momentum-dty
 
 def _maxima(entries: Sequence[MatrixEntry], rank: int) -> int:
     """int8 momentum's float32 block maxima on ``rank``: its rows' blocks of 256 columns (blockwise)."""
-    total = 0
-    for e in entries:
-        rows, cols = block_shape(e.blocks[rank])
-        total += 4 * rows * math.ceil(cols / BLOCK) if rows * cols else 0
-    return total
+    shapes = [block_shape(e.blocks[rank]) for e in entries]
+    return sum(4 * math.prod(absmax_shape(s)) for s in shapes if math.prod(s))
