@@ -49,7 +49,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import MATRIX_SETS, load_snapshot, set_shapes, system_info, wait_for_quiet  # noqa: E402
-from muon_dtensor.checks.validation import resolve_ns_config  # noqa: E402
 from muon_dtensor.demo.cpu import probe  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
     AOL_PRESETS,
@@ -62,6 +61,7 @@ from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
     orthogonalize_flops,
     scalar_map,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 NS_MODULE = importlib.import_module("muon_dtensor.numerics.newton_schulz")  # not the function of that name

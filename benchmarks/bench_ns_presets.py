@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import load_snapshot, results_config, system_info, wait_for_quiet  # noqa: E402
-from muon_dtensor.checks.validation import resolve_ns_config  # noqa: E402
 from muon_dtensor.demo.cpu import probe  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
     AOL_PRESETS,
@@ -52,6 +51,7 @@ from muon_dtensor.numerics.newton_schulz import (  # noqa: E402
     ns_flops,
     scalar_map,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPES: list[tuple[int, int]] = [(256, 256), (512, 1024), (1024, 256)]

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 
 if TYPE_CHECKING:
-    from .checks.validation import resolve_ns_config
     from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
+    from .numerics.ns_config import resolve_ns_config
     from .optim.optimizer import ADAMW_DEFAULTS, Muon
     from .optim.param_groups import split_params
     from .sharding.plan.build import MatrixEntry, Plan, build_plan
 
 # public name -> the module that defines it
 _WHERE = {
-    "resolve_ns_config": ".checks.validation",
+    "resolve_ns_config": ".numerics.ns_config",
     "QKClipFactors": ".features.qk_clip",
     "qk_clip_": ".features.qk_clip",
     "qk_clip_all_": ".features.qk_clip",

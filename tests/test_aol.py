@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 
 from muon_dtensor import Muon
-from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.aol import aol_scale
 from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
@@ -36,6 +35,7 @@ from muon_dtensor.numerics.newton_schulz import (
     orthogonalize_flops,
     scalar_map,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.models import full, stepped
 from tests.ranks import run_ranks
 from tests.test_ns_presets import seeded_inputs

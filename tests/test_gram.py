@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from muon_dtensor import Muon
 from muon_dtensor.checks.agreement import AGREED_KEYS
-from muon_dtensor.checks.validation import check_muon_group, resolve_ns_config
+from muon_dtensor.checks.validation import check_muon_group
 from muon_dtensor.numerics.newton_schulz import (
     BAND_INPUT_FLOOR,
     PRESET_BANDS,
@@ -35,6 +35,7 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
     uses_gram,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
 from tests.models import full, stepped
 from tests.ranks import run_ranks

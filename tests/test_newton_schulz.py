@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import (
     AOL_PRESETS,
     BAND_INPUT_FLOOR,
@@ -19,6 +18,7 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
     stacked,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
 
 

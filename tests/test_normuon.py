@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon, split_params
-from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import newton_schulz
+from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.models import MLP, build, full, model_grads, shard_mlp, step_together
 from tests.ranks import run_ranks
 from tests.test_layouts import cut_like  # distribute_tensor refuses uneven _StridedShard pieces

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from muon_dtensor import Muon
-from muon_dtensor.checks.validation import resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import (
     AOL_PRESETS,
     BAND_INPUT_FLOOR,
@@ -33,6 +32,7 @@ from muon_dtensor.numerics.newton_schulz import (
     newton_schulz,
     scalar_map,
 )
+from muon_dtensor.numerics.ns_config import resolve_ns_config
 
 Triple = tuple[float, float, float]
 

@@ -1,6 +1,7 @@
 """Every local input check, once. They depend only on metadata every rank shares (hyperparameters,
 global shapes, placements), so every rank raises the same error with no communication. Checks of
-per-rank data are the preflight's (``preflight.py``). Messages are torch.optim's where torch has the
+per-rank data are the preflight's (``preflight.py``); the Newton-Schulz settings are resolved by
+``numerics/ns_config.py``, beside the iteration. Messages are torch.optim's where torch has the
 same check.
 """
 
@@ -16,7 +17,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..numerics.elementwise import ADJUST_LR
-from ..numerics.newton_schulz import ALGORITHMS, AOL_PRESETS, PRESET_STEPS, PRESETS, NSConfig, Triple
+from ..numerics.newton_schulz import NSConfig
+from ..numerics.ns_config import NS_DTYPES, ns_dtype_name, resolve_ns_config
 from ..sharding.plan.build import MODES, check_mode
 from .param_checks import check_params
 
@@ -48,7 +50,6 @@ __all__ = [
 Owners = Literal["auto", "mesh", "replica"]
 OWNERS: tuple[str, ...] = get_args(Owners)
 NSSplit = Literal["off", "auto"] | int
-_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # float16: refused (momentum_dtype_name); int8: blockwise 8-bit with float32 block maxima (numerics/blockwise.py)
 MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
@@ -162,14 +163,6 @@ def check_split(group: Mapping[str, Any]) -> None:
         )
 
 
-def ns_dtype_name(dtype: torch.dtype | str) -> str:
-    """``ns_dtype`` as the name a param group stores (plain data in ``state_dict``)."""
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in _NS_DTYPES:
-        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32 but is: {dtype}")
-    return name
-
-
 def momentum_dtype_name(dtype: Any) -> str | None:
     """``momentum_dtype`` as the name a param group stores: None (the parameter's dtype) or a
     floating dtype's name from ``MOMENTUM_DTYPES``. float16 is refused: its range ends at 65,504,
@@ -235,7 +228,7 @@ def check_muon_group(group: Mapping[str, Any]) -> NSConfig:
     check_owners(group.get("owners", "auto"))
     check_split(group)
     momentum_dtype_name(group.get("momentum_dtype"))
-    dtype = _NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
+    dtype = NS_DTYPES[ns_dtype_name(group.get("ns_dtype", "bfloat16"))]
     algorithm = group.get("ns_algorithm", "standard")  # absent from groups saved before it existed
     return resolve_ns_config(group["ns_coefficients"], group["ns_steps"], group["eps"], dtype, algorithm)
 
@@ -296,78 +289,6 @@ def check_adamw_momentum_dtype(group: Mapping[str, Any], index: int) -> None:
             f"param group {index} is an AdamW group and sets 'momentum_dtype': "
             f"{group['momentum_dtype']!r}, an option of Muon groups (AdamW keeps exp_avg and "
             "exp_avg_sq in the parameter's dtype); remove the key from this group"
-        )
-
-
-def _as_triple(value: Sequence[float]) -> Triple:
-    if len(value) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    a, b, c = (float(v) for v in value)
-    if not all(math.isfinite(v) for v in (a, b, c)):
-        raise ValueError(
-            f"ns_coefficients should be finite numbers but hold: {', '.join(map(str, (a, b, c)))}; "
-            "use finite (a, b, c) or a preset name"
-        )
-    return (a, b, c)
-
-
-def resolve_ns_config(
-    ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
-    ns_steps: int,
-    eps: float,
-    dtype: torch.dtype = torch.bfloat16,
-    algorithm: str = "standard",
-) -> NSConfig:
-    """Turn the user's ``ns_coefficients`` (a triple, a per-step list or a preset name) into a config.
-
-    A fixed triple is used for all ``ns_steps`` iterations. A per-step list is used in order; when
-    ``ns_steps`` is longer than the list, its last triple repeats (as microsoft/dion does).
-    ``algorithm`` is the optimizer's ``ns_algorithm``, one of ``ALGORITHMS``.
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"ns_algorithm should be 'standard', 'gram' or 'aol' but is: {algorithm!r}; 'gram' evaluates "
-            "the same Newton-Schulz polynomial on the small Gram matrix, 'aol' scales by AOL (Turbo-Muon)"
-        )
-    _check_aol_preset(ns_coefficients, algorithm)
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
-        raise ValueError(f"ns_steps should be an int (Newton-Schulz iterations, e.g. 5) but is: {ns_steps!r}")
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0.0 <= eps < math.inf):
-        raise ValueError(
-            f"eps should be a finite number >= 0 but is: {eps!r}; it bounds the norm Newton-Schulz "
-            "divides by (default 1e-7)"
-        )
-    if ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if ns_steps < 0:
-        raise ValueError(f"ns_steps should be >= 0 but is: {ns_steps}")
-    ns_dtype_name(dtype)
-    norm_scale = 1.0
-    if isinstance(ns_coefficients, str):
-        if ns_coefficients not in PRESETS:
-            raise ValueError(
-                f"Unknown ns_coefficients preset {ns_coefficients!r}; "
-                f"use one of {sorted(PRESETS)} or a tuple (a, b, c)"
-            )
-        steps, norm_scale = PRESETS[ns_coefficients]
-    elif len(ns_coefficients) > 0 and isinstance(ns_coefficients[0], (int, float)):
-        steps = (_as_triple(ns_coefficients),)  # type: ignore[arg-type]
-    else:
-        steps = tuple(_as_triple(t) for t in ns_coefficients)  # type: ignore[arg-type]
-        if not steps:
-            raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    per_step = tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
-    return NSConfig(per_step, eps=float(eps), norm_scale=norm_scale, dtype=dtype, algorithm=algorithm)
-
-
-def _check_aol_preset(ns_coefficients: object, algorithm: str) -> None:
-    """A preset fitted to AOL-scaled inputs (``AOL_PRESETS``) runs only after that scaling: by name it
-    means Turbo-Muon, not its table after the Frobenius division (a list of its triples runs that)."""
-    if isinstance(ns_coefficients, str) and ns_coefficients in AOL_PRESETS and algorithm != "aol":
-        raise ValueError(
-            f"ns_coefficients={ns_coefficients!r} is fitted to inputs scaled by AOL, but ns_algorithm is "
-            f"{algorithm!r}; pass ns_algorithm='aol' with it (and ns_steps={PRESET_STEPS[ns_coefficients]}, "
-            "its own count), or pass its triples as a list to run them after the Frobenius division"
         )
 
 

@@ -26,6 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ..numerics.newton_schulz import ALGORITHMS
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from . import experts as moe
 from .costmodel import (
@@ -112,7 +113,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--ns-algorithm",
-        choices=("standard", "gram", "aol"),
+        choices=ALGORITHMS,
         default="standard",
         help='as Muon(ns_algorithm=...); "gram" prices Gram flops, "aol" standard ones (standard)',
     )
