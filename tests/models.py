@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.optim import Optimizer
 
-from muon_dtensor.sharding.plan.compat import _StridedShard
+from muon_dtensor.base.compat import StridedShard as _StridedShard
 
 Place = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Opt = TypeVar("Opt", bound=Optimizer)

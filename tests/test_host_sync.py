@@ -143,7 +143,7 @@ def test_a_group_without_a_cpu_backend_is_told_apart() -> None:
     """Plain "nccl" serves CUDA only: such a group's sums take the device path (and warn once)."""
     from types import SimpleNamespace
 
-    from muon_dtensor.sharding.plan.compat import has_cpu_backend
+    from muon_dtensor.base.compat import has_cpu_backend
 
     assert has_cpu_backend(SimpleNamespace(_device_types=[torch.device("cuda"), torch.device("cpu")]))  # type: ignore[arg-type]
     assert not has_cpu_backend(SimpleNamespace(_device_types=[torch.device("cuda")]))  # type: ignore[arg-type]

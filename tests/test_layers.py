@@ -1,8 +1,11 @@
 """The layers, held to the code: each folder of the package is one layer, and a module imports only
 from its own layer or lower ones (function-level imports included), with no import cycle:
 
-    numerics <- sharding/plan <- sharding/runtime <- checks <- features <- optim
-             <- checkpoint <- integrations <- tools <- demo
+    base <- numerics <- sharding/plan <- sharding/runtime <- checks <- features <- optim
+         <- checkpoint <- integrations <- tools <- demo
+
+``base/`` is the floor: the torch shims every private torch name goes through
+(tests/test_private_torch.py), what a parameter's name says, and warnings at the user's line.
 
 ``planning/`` stands beside them: it prices the math and the plan and never talks, and the optimizer
 reaches it only through ``optim/policy.py``, where the ``"auto"`` options are priced. A new module's
@@ -21,7 +24,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "muon_dtensor"
 # Lowest first. The package's own __init__ and __main__ sit above every layer.
 LAYERS = [
-    "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",
+    "base", "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",
     "checkpoint", "integrations", "tools", "demo",
 ]  # fmt: skip
 PLANNING = "planning"
@@ -153,3 +156,43 @@ def test_design_md_names_each_layer_folder_and_its_modules(layer: str) -> None:
     )
     missing = [m for m in modules if f"`{m}`" not in mine[0]]
     assert not missing, f"docs/design.md's row for {folder} does not name {missing}"
+
+
+@pytest.mark.parametrize("layer", [*LAYERS, PLANNING])
+def test_each_folder_docstring_points_to_its_row_and_names_all_or_none(layer: str) -> None:
+    """A layer folder's ``__init__`` docstring points to its row of docs/design.md's table, and if it
+    names its modules (as ``name``), it names every one of them, so a reader of the folder misses none."""
+    folder = PACKAGE.joinpath(*layer.split("."))
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    path = layer.replace(".", "/") + "/"
+    assert f"``{path}``" in doc and "docs/design.md" in doc, (
+        f"muon_dtensor/{path}__init__.py's docstring should point to row ``{path}`` of docs/design.md's table"
+    )
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")
+    named = [m for m in modules if f"``{m}``" in doc]
+    missing = sorted(set(modules) - set(named))
+    assert not named or not missing, f"muon_dtensor/{path}__init__.py names {named} but not {missing}"
+
+
+# Module paths moved in this release, kept importable as re-exports for one release (CHANGELOG.md).
+MOVED = {
+    "sharding.plan.compat": (
+        "base.compat",
+        ["_StridedShard", "flatten_state_dict", "has_cpu_backend", "local_tensor"],
+    ),
+    "checks.names": ("base.names", ["param_names", "refusal", "not_heads", "DEFAULT_HEAD_NAMES"]),
+    "checks.warn": ("base.warn", ["warn"]),
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_path_still_imports_the_same_objects(old: str) -> None:
+    import importlib
+
+    new, names = MOVED[old]
+    was, now = (importlib.import_module(f"muon_dtensor.{m}") for m in (old, new))
+    for name in names:
+        expected = getattr(now, "StridedShard" if name == "_StridedShard" else name)
+        assert getattr(was, name) is expected, f"muon_dtensor.{old}.{name}"
+    changelog = (PACKAGE.parent / "CHANGELOG.md").read_text().split("\n## 0.")[0]
+    assert f"muon_dtensor.{old}" in changelog and f"muon_dtensor.{new}" in changelog

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.sharding.plan.compat import _StridedShard
+from muon_dtensor.base.compat import StridedShard as _StridedShard
 from tests.models import build, full, model_grads, step_together
 from tests.ranks import run_ranks
 

@@ -1,5 +1,10 @@
-"""Sharded checkpoints: thin clients of ``torch.distributed.checkpoint`` (``helpers``), checksummed
-manifests (``manifest``) and Hugging Face safetensors in and out (``safetensors``)."""
+"""Sharded checkpoints: thin clients of ``torch.distributed.checkpoint`` (saving in ``helpers``,
+loading in ``loading``, what a load must fit in ``fit`` and ``layout``, fresh state in ``_fresh``),
+checksummed manifests (``manifest``) published atomically (``publish``), a folder read as data
+(``safe_read``), Hugging Face safetensors in and out (``safetensors``), each rank's own tensors in
+``extra`` (``extra_tensors``), the arguments every rank agrees on (``agree``) over object gathers
+(``collectives``), and the shared dtypes, errors and warnings (``_dtypes``, ``_errors``,
+``_warnings``). Row ``checkpoint/`` of docs/design.md's layer table."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checks.warn import warn
+from ..base.warn import warn
 from ._errors import CheckpointError
 
 __all__ = ["converted_momentum", "refuse_int8_conversion", "warn_converted_momentum"]

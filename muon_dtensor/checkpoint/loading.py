@@ -250,6 +250,6 @@ def _apply(state: dict[str, Any], layout: Layout, states: list[PartState], parts
 
 
 def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    from ..sharding.plan.compat import flatten_state_dict
+    from ..base.compat import flatten_state_dict
 
     return flatten_state_dict(state)

@@ -21,9 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -33,8 +31,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.serialization import _get_layout
 
+from ..base.compat import dcp_records
 from ._errors import CheckpointError
 
 __all__ = [
@@ -48,6 +46,7 @@ __all__ = [
 ]
 
 METADATA = ".metadata"
+_STORAGE_INFO, _MEM_FORMAT_ENCODING, _GET_LAYOUT = dcp_records()
 # Objects a pickle may fill in (BUILD): DCP's records, never a class or torch itself.
 _RECORDS = (
     Metadata,
@@ -57,14 +56,14 @@ _RECORDS = (
     ChunkStorageMetadata,
     TensorProperties,
     MetadataIndex,
-    _StorageInfo,
+    _STORAGE_INFO,
 )
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")  # StorageMeta.checkpoint_id
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__name__): cls for cls in (*_RECORDS, _MEM_FORMAT_ENCODING)},
     **{(module, name): getattr(pathlib, name) for name in _PATHS for module in ("pathlib", "pathlib._local")},
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _get_layout,
+    ("torch.serialization", "_get_layout"): _GET_LAYOUT,
     ("collections", "OrderedDict"): OrderedDict,
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
@@ -129,7 +128,7 @@ def _check_metadata(path: Path, metadata: Any, files: Collection[str] | None) ->
             )
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not _STORAGE_INFO:
             raise CheckpointError(f"{path}: storage entry {index!r} is malformed; nothing was loaded")
         if files is not None and name not in files:
             raise CheckpointError(

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..base.compat import non_persistent_buffers
 from ..optim.group_sharding import layout_of
 from ..sharding.plan.blocks import Block
 from ..sharding.plan.param_layout import local_of
@@ -206,7 +207,7 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {_unwrapped(name): p for name, p in model.named_parameters()}
     for prefix, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
+            if name not in non_persistent_buffers(module):
                 out.setdefault(_unwrapped(f"{prefix}.{name}" if prefix else name), buffer)
     return out
 

@@ -1,3 +1,5 @@
-"""The checks a step and its callers make before data moves: local input checks (``validation``),
-per-rank data flags (``preflight``), the agreement's digest of the settings (``agreement``), summed
-together once per scope (``step_checks``), and what parameters' names say (``names``)."""
+"""The checks a step and its callers make before data moves: the one agreement primitive
+(``together``), local input checks (``validation``, the parameters' own in ``param_checks``),
+per-rank data flags (``preflight``), the agreement's digest of the settings (``agreement``), the step
+group's fingerprint (``step_scope``), summed together once per scope (``step_checks``). ``names`` and
+``warn`` re-export ``base/``'s for one release. Row ``checks/`` of docs/design.md's layer table."""

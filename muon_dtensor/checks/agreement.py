@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .names import param_names
+from ..base.names import param_names
 from .preflight import layout_text
 
 __all__ = [

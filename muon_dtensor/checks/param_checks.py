@@ -9,16 +9,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..base.compat import StridedShard, capturable_devices
+from ..base.names import not_heads
+from ..base.warn import warn
 from ..numerics.blockwise import BLOCK, absmax_shape, block_problem
 from ..sharding.plan.blocks import shard_blocks
-from ..sharding.plan.compat import _StridedShard
 from ..sharding.plan.param_layout import check_placements, local_of, shards_of
-from .names import not_heads
-from .warn import warn
 
 __all__ = ["check_int8_layouts", "check_params"]
 
@@ -93,7 +92,7 @@ def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None
             "without 'normuon' or without 'flatten'"
         )
     placements = tuple(p.placements) if isinstance(p, DTensor) else ()
-    if any(isinstance(q, _StridedShard) and q.dim == p.ndim - 1 for q in placements):
+    if any(isinstance(q, StridedShard) and q.dim == p.ndim - 1 for q in placements):
         raise ValueError(
             f"parameter '{name}' has placements {placements}: NorMuon needs its last dimension "
             "sharded by Shard, not interleaved by _StridedShard; shard that dimension with Shard or "
@@ -120,7 +119,7 @@ def _check_int8_param(p: Tensor, name: str) -> None:
         f"give that dimension ({p.shape[-1]} columns) shards of a multiple of {BLOCK} columns, or "
         "put the parameter in a group with a float momentum_dtype"
     )
-    if any(isinstance(q, _StridedShard) and q.dim == last for q in placements):
+    if any(isinstance(q, StridedShard) and q.dim == last for q in placements):
         raise ValueError(
             f"parameter '{name}' has placements {placements}: momentum_dtype=torch.int8 needs its last "
             f"dimension sharded by Shard, not interleaved by _StridedShard; {fix}"
@@ -141,7 +140,7 @@ def _check_int8_param(p: Tensor, name: str) -> None:
 def _check_capturable_param(p: Tensor, name: str, lr: Any) -> None:
     """``capturable=True`` keeps the step's scalars on the parameters' device for a CUDA graph: the
     device must be one torch captures on (its capturable AdamW's list), a tensor lr on it too."""
-    supported = torch_optimizer._get_capturable_supported_devices()
+    supported = capturable_devices()
     device = local_of(p).device
     if device.type not in supported:
         raise ValueError(

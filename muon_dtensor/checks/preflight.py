@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..base.compat import dtensor_spec, local_tensor
+from ..base.torch_ops import disable_torch_function
 from ..sharding.plan.param_layout import same_layout
 
 __all__ = ["PreflightItem", "layout_text", "local_flags", "presence", "raise_for"]
@@ -38,8 +40,10 @@ def local_flags(params: Sequence[Tensor]) -> Tensor:
             flat += _ABSENT
         elif grad.is_sparse:
             flat += _SPARSE
-        elif getattr(grad, "_spec", None) is getattr(p, "_spec", False) and (
-            grad._local_tensor.shape == p._local_tensor.shape  # type: ignore[attr-defined]
+        elif (
+            (spec := dtensor_spec(grad)) is not None
+            and spec is dtensor_spec(p)
+            and (local_tensor(grad).shape == local_tensor(p).shape)
         ):
             flat += _PRESENT
         else:
@@ -55,7 +59,8 @@ def specs_of(params: Sequence[Tensor]) -> tuple[tuple[Any, Any], ...]:
     """Per parameter, its DTensor spec and local shape as now (what ``presence`` compares a
     gradient with; cached with the parameters, so a steady step reads none of them again)."""
     return tuple(
-        (p._spec, p._local_tensor.shape) if isinstance(p, DTensor) else (_NOT_A_SPEC, None) for p in params
+        (dtensor_spec(p), local_tensor(p).shape) if isinstance(p, DTensor) else (_NOT_A_SPEC, None)
+        for p in params
     )
 
 
@@ -63,14 +68,14 @@ def presence(params: Sequence[Tensor], specs: Sequence[tuple[Any, Any]]) -> tupl
     """Per parameter 1 if it has a gradient, and how many gradients are sparse or laid out unlike
     their parameter (``local_flags`` says which): the steady step's short form of the flags. A
     gradient built with its parameter's own spec and local shape (FSDP2's) is the first case."""
-    with torch._C.DisableTorchFunction():  # ``.grad`` without DTensor's torch-function check: half the cost
+    with disable_torch_function():  # ``.grad`` without DTensor's torch-function check: half the cost
         grads: list[Any] = [p.grad for p in params]
     bits, bad = bytearray(len(params)), 0
     for i, (grad, (spec, shape)) in enumerate(zip(grads, specs)):
         if grad is None:
             continue
         bits[i] = 1
-        if getattr(grad, "_spec", None) is spec and grad._local_tensor.shape == shape:
+        if dtensor_spec(grad) is spec and local_tensor(grad).shape == shape:
             continue
         bad += int(grad.is_sparse or not same_layout(params[i], grad))
     return bytes(bits), bad

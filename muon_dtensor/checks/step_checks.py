@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..base.names import param_names
 from ..numerics.newton_schulz import NSConfig
 from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
 from .agreement import all_params, explain, scope_entries, settings_of
-from .names import param_names
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
 from .step_scope import StepScope, agreed, describe, scope_key, step_scope
 from .together import digest_pieces, disagree, group_of, summed

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..base.compat import default_group
 from ..sharding.runtime.comm import gather_over_scope, job_failure, rank_and_size, sum_over_scopes
 
 __all__ = [
@@ -84,7 +85,7 @@ def _size(scope: Scope) -> int:
 
 def group_of(scope: Scope) -> DeviceMesh | dist.ProcessGroup:
     """The mesh or group a scope names (None: the default group)."""
-    return scope if scope is not None else dist.distributed_c10d._get_default_group()
+    return scope if scope is not None else default_group()
 
 
 def raise_together(

@@ -16,6 +16,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ..base.torch_ops import (
+    foreach_add_,
+    foreach_copy_,
+    foreach_div,
+    foreach_mul,
+    foreach_mul_,
+    foreach_scalar_op,
+    foreach_sqrt,
+    foreach_sub_,
+)
+
 __all__ = [
     "ADJUST_LR",
     "adamw_update",
@@ -74,7 +85,7 @@ def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
         return
     floats = cast("float | list[float]", list(scalars) if isinstance(scalars, Sequence) else scalars)
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
-        torch._foreach_mul_(tensors, floats)
+        foreach_mul_(tensors, floats)
         return
     values = floats if isinstance(floats, list) else [floats] * len(tensors)
     for t, v in zip(tensors, values):
@@ -91,7 +102,7 @@ def _mul_by_tensors_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) 
     for index in by_scalar.values():
         scalar, members = values[index[0]], [tensors[i] for i in index]
         if all(t.dtype in (torch.float32, torch.float64) for t in members):
-            torch._foreach_mul_(members, scalar)
+            foreach_mul_(members, scalar)
         else:
             for t in members:
                 t.mul_(scalar)
@@ -105,7 +116,7 @@ def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
     destinations of another dtype, and we support torch releases from before its fix.
     """
     if len({t.dtype for t in dst}) <= 1 and len({t.dtype for t in src}) <= 1:
-        torch._foreach_copy_(dst, src)
+        foreach_copy_(dst, src)
         return
     for d, t in zip(dst, src):
         d.copy_(t)
@@ -126,13 +137,13 @@ def muon_momentum(
     if any(b.dtype != g.dtype for b, g in zip(bufs, grads)):
         _momentum_apart(list(bufs), list(grads), list(out), momentum, nesterov)
         return
-    scaled = torch._foreach_mul(list(grads), 1.0 - momentum)
+    scaled = foreach_mul(list(grads), 1.0 - momentum)
     _mul_(list(bufs), momentum)
-    torch._foreach_add_(list(bufs), scaled)
+    foreach_add_(list(bufs), scaled)
     source = list(bufs)
     if nesterov:
-        source = list(torch._foreach_mul(source, momentum))
-        torch._foreach_add_(source, scaled)
+        source = list(foreach_mul(source, momentum))
+        foreach_add_(source, scaled)
     copy_all(list(out), source)
 
 
@@ -169,13 +180,13 @@ def momentum_rule(
     """``work <- m work + (1 - m) g`` in place, on ``grads`` widened to ``wide`` (``work``'s
     dtypes, float32 or float64); returns the Newton-Schulz source: ``work``, or with Nesterov
     ``(1 - m) g + m work`` as fresh tensors."""
-    scaled = torch._foreach_mul(_widened(grads, wide), 1.0 - momentum)
+    scaled = foreach_mul(_widened(grads, wide), 1.0 - momentum)
     _mul_(work, momentum)
-    torch._foreach_add_(work, scaled)
+    foreach_add_(work, scaled)
     if not nesterov:
         return work
-    source = list(torch._foreach_mul(work, momentum))
-    torch._foreach_add_(source, scaled)
+    source = list(foreach_mul(work, momentum))
+    foreach_add_(source, scaled)
     return source
 
 
@@ -195,7 +206,7 @@ def apply_muon_update(
         return
     if weight_decay != 0.0:
         _mul_(list(params), 1.0 - lr * weight_decay)
-    torch._foreach_sub_(list(params), list(scaled_updates))
+    foreach_sub_(list(params), list(scaled_updates))
 
 
 # Elementwise work runs as multi-tensor ops over buckets of local elements: on CUDA big buckets (few
@@ -308,7 +319,7 @@ def _scalar_op(name: str, tensors: list[Tensor], scalar: float, *, inplace: bool
     """``torch._foreach_<name>[_](tensors, scalar)`` where that keeps the scalar in fp32 math (fp32
     and fp64 lists; see ``_mul_``), else the same op one tensor at a time."""
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
-        op = getattr(torch, f"_foreach_{name}_" if inplace else f"_foreach_{name}")
+        op = foreach_scalar_op(name, inplace=inplace)
         out = op(tensors, scalar)
         return tensors if inplace else list(out)
     return [getattr(t, f"{name}_" if inplace else name)(scalar) for t in tensors]
@@ -335,12 +346,12 @@ def adamw_update(
     beta1, beta2 = betas
     _scalar_op("mul", p, 1.0 - lr * weight_decay, inplace=True)
     _scalar_op("mul", m, beta1, inplace=True)
-    torch._foreach_add_(m, _scalar_op("mul", g, 1.0 - beta1, inplace=False))
+    foreach_add_(m, _scalar_op("mul", g, 1.0 - beta1, inplace=False))
     _scalar_op("mul", v, beta2, inplace=True)
-    torch._foreach_add_(v, _scalar_op("mul", list(torch._foreach_mul(g, g)), 1.0 - beta2, inplace=True))
+    foreach_add_(v, _scalar_op("mul", list(foreach_mul(g, g)), 1.0 - beta2, inplace=True))
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = _scalar_op("div", list(torch._foreach_sqrt(v)), bias_correction2_sqrt, inplace=True)
+    denom = _scalar_op("div", list(foreach_sqrt(v)), bias_correction2_sqrt, inplace=True)
     _scalar_op("add", denom, eps, inplace=True)
-    update = _scalar_op("mul", list(torch._foreach_div(m, denom)), lr / bias_correction1, inplace=True)
-    torch._foreach_sub_(p, update)
+    update = _scalar_op("mul", list(foreach_div(m, denom)), lr / bias_correction1, inplace=True)
+    foreach_sub_(p, update)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 
+from ..base.torch_ops import foreach_add_, foreach_mul, foreach_norm
 from ..numerics.blockwise import int8_nesterov_inputs
 from ..numerics.elementwise import (
     adamw_update,
@@ -232,8 +233,8 @@ def _record_update(
     pieces = [(r, f) for r, f in zip(results, factors) if r.numel()]
     if not pieces:
         return
-    norms = torch._foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32)
-    weighted = torch.stack(torch._foreach_mul(norms, [f for _, f in pieces]))
+    norms = foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32)
+    weighted = torch.stack(foreach_mul(norms, [f for _, f in pieces]))
     total = weighted.square().sum() * (lr * lr)
     stats.update_sq = total if stats.update_sq is None else stats.update_sq + total
     stats.update_elements += sum(r.numel() for r, _ in pieces)
@@ -289,7 +290,7 @@ def adamw_step(
     together, in buckets, with multi-tensor ops: a handful of ops per step, not per parameter."""
     if not params:
         return
-    torch._foreach_add_(list(steps), 1.0)
+    foreach_add_(list(steps), 1.0)
     by_count: dict[int, list[int]] = {}
     for i, count in enumerate(torch.stack(list(steps)).tolist()):
         by_count.setdefault(int(count), []).append(i)

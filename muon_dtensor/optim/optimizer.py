@@ -11,8 +11,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import Optimizer, ParamsT
 
+from ..base.names import param_names
 from ..checks import validation
-from ..checks.names import param_names
 from ..checks.step_checks import StepChecks
 from ..checks.together import refuse_after_failure
 from ..checks.validation import NSSplit, Owners

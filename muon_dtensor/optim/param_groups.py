@@ -12,7 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from ..checks.names import (
+from ..base.compat import is_fsdp1_flat_param
+from ..base.names import (
     _NOT_HEADS,
     DEFAULT_HEAD_NAMES,
     DEFAULT_QKV_NAMES,
@@ -151,7 +152,7 @@ def _refuse_flattened(model: nn.Module) -> None:
     for prefix, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             fqn = f"{prefix}.{name}" if prefix else name
-            if type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False):
+            if is_fsdp1_flat_param(p):
                 flat.append(f"{fqn} (an FSDP1 FlatParameter of {p.numel():,} elements)")
             elif len(getattr(p, "ds_shape", ())) == 2 and p.ndim != 2:
                 flat.append(f"{fqn} (a ZeRO-3 partition of a {tuple(p.ds_shape)} weight)")

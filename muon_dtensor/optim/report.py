@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..checks.names import param_names, refusal
+from ..base.compat import default_group
+from ..base.names import param_names, refusal
 from ..checks.together import raise_together
 from ..features.qk_clip import QKClipFactors
 from ..sharding.plan.memory import group_peak
@@ -295,7 +296,7 @@ def _reduced(out: dict[str, float], squares: float, group: dist.ProcessGroup | N
 
 
 def _default(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.distributed_c10d._get_default_group()
+    return group if group is not None else default_group()
 
 
 def _clipped(factors: QKClipFactors) -> Tensor:

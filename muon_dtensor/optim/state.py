@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks.names import param_names
+from ..base.names import param_names
+from ..base.warn import warn
 from ..checks.param_checks import check_int8_layouts
-from ..checks.warn import warn
 from ..numerics.blockwise import dequantize, quantize
 from ..sharding.plan.param_layout import block_state_zeros, local_of, relayout, row_state_zeros
 

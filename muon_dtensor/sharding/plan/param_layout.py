@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 
+from ...base.compat import StridedShard, dtensor_spec, local_tensor
 from ...numerics.blockwise import absmax_shape
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
-from .compat import _StridedShard, local_tensor
 
 __all__ = [
     "check_placements",
@@ -85,7 +85,7 @@ def _shards(p: DTensor, name: str) -> list[AxisShard]:
     for axis, placement in enumerate(p.placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, _StridedShard):
+        if isinstance(placement, StridedShard):
             sf = int(placement.split_factor)
             shards.append(AxisShard(axis, placement.dim, p.device_mesh.size(axis), sf))
         elif type(placement) is Shard:
@@ -187,10 +187,10 @@ def describe(
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Whether gradient ``b`` is laid out like parameter ``a`` (same kind, mesh, placements, shape)."""
-    if isinstance(a, DTensor) and isinstance(b, DTensor) and a._spec is b._spec:
+    if isinstance(a, DTensor) and isinstance(b, DTensor) and dtensor_spec(a) is dtensor_spec(b):
         # FSDP2 builds a parameter's gradients with the parameter's own spec: only the local
         # tensors can differ (the steady step's path, kept short: it runs for every parameter)
-        la, lb = a._local_tensor, b._local_tensor
+        la, lb = local_tensor(a), local_tensor(b)
         return la.shape == lb.shape or la.numel() == lb.numel() == 0
     if not isinstance(a, DTensor):
         return (

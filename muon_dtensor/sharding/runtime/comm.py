@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..plan.compat import has_cpu_backend
+from ...base.compat import default_group, default_store, has_cpu_backend
 from ..plan.runs import segments
 
 __all__ = [
@@ -112,7 +112,7 @@ def max_over_mesh(values: Tensor, mesh: DeviceMesh) -> Tensor:
 
 def max_over_group(values: Tensor, group: dist.ProcessGroup | None, device_type: str = "cpu") -> Tensor:
     """``max_over_mesh`` over a process group (None: the default group)."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else default_group()
     return _reduce_on_host(
         values, [group] if dist.get_world_size(group) > 1 else [], device_type, dist.ReduceOp.MAX
     )
@@ -171,7 +171,7 @@ _FAILED: list[tuple[Any, str]] = []
 
 def _remember(text: str) -> None:
     if dist.is_available() and dist.is_initialized() and not _FAILED:
-        _FAILED.append((dist.distributed_c10d._get_default_group(), text[:2000]))
+        _FAILED.append((default_group(), text[:2000]))
 
 
 def _first_failure() -> str | None:
@@ -191,7 +191,7 @@ def job_failure() -> str | None:
     if not _FAILED or not (dist.is_available() and dist.is_initialized()):
         return None
     group, text = _FAILED[-1]
-    if group is not dist.distributed_c10d._get_default_group():
+    if group is not default_group():
         _FAILED.clear()
         return None
     return text
@@ -200,7 +200,7 @@ def job_failure() -> str | None:
 def _store() -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def report_failure(error: BaseException) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...base.torch_ops import foreach_copy_
 from ...numerics.newton_schulz import stacked
 from ..plan.blocks import Block, block_numel, block_shape
 from ..plan.gangs import SplitRoute
@@ -114,7 +115,7 @@ def _own_in(batches: Sequence[OwnBatch], where: dict[int, Tensor], local: dict[i
         pieces = [local[m] for m in members]
         shape = block_shape(block)
         if len(members) > 1 and all(p.shape == shape for p in pieces):
-            torch._foreach_copy_(list(_batch_view(where[members[0]], len(members), block).unbind(0)), pieces)
+            foreach_copy_(list(_batch_view(where[members[0]], len(members), block).unbind(0)), pieces)
             continue
         for m, piece in zip(members, pieces):
             _assemble(where[m], block, piece)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ...base.compat import default_group
+
 __all__ = ["exchange_group", "save_group"]
 
 # default process group -> {key: a group this rank created}; entries go when the default group does
@@ -25,7 +27,7 @@ _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGr
 
 
 def _cached(key: tuple, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    groups = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    groups = _GROUPS.setdefault(default_group(), {})
     if key not in groups:
         groups[key] = create()
     return groups[key]
@@ -43,7 +45,7 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
         return mesh.get_group(axes[0])
     if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
         # the whole mesh is every rank (HSDP owners over the mesh): the default group serves
-        return dist.distributed_c10d._get_default_group()
+        return default_group()
 
     others = [a for a in range(mesh.ndim) if a not in axes]
     rows = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes)).tolist()
