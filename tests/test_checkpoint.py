@@ -235,7 +235,7 @@ def crash_during_save(root: str) -> None:
         def die(path: Path) -> dict[str, int]:
             os._exit(17)
 
-        ckpt.helpers.file_record = die
+        ckpt.save.file_record = die
     ckpt.save_checkpoint(root, 4, model, opt)
 
 

@@ -182,6 +182,9 @@ MOVED = {
     ),
     "checks.names": ("base.names", ["param_names", "refusal", "not_heads", "DEFAULT_HEAD_NAMES"]),
     "checks.warn": ("base.warn", ["warn"]),
+    "checkpoint.helpers": ("checkpoint.save", ["save_checkpoint", "load_checkpoint", "PendingSave"]),
+    "checkpoint.layout": ("checkpoint.keys", ["PER_FQN", "BY_INDEX", "Layout", "layout_of_manifest"]),
+    "checkpoint.agree": ("checkpoint.arguments_agree", ["agree", "agree_save"]),
 }
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
-import muon_dtensor.checkpoint.helpers as helpers
+import muon_dtensor.checkpoint.save as helpers
 from muon_dtensor.tools.testing import RankError
 from muon_dtensor.tools.testing import run_ranks as run_fresh
 from tests.pipeline import differences, snapshot

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import muon_dtensor.checkpoint.helpers as helpers
+import muon_dtensor.checkpoint.save as helpers
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from muon_dtensor.checkpoint.publish import claim, rename_new
 from tests.ranks import run_ranks

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ._dtypes import refuse_int8_conversion, warn_converted_momentum
 from ._errors import CheckpointError
 from ._fresh import FRESH_HINT
-from .layout import Layout
+from .keys import KeyFormat
 from .safe_read import read_entries
 
 __all__ = ["check_compatible", "tensor_keys"]
@@ -39,7 +39,7 @@ def check_compatible(
     folder: Path,
     metadata: Metadata,
     flat_state: Mapping[str, Any],
-    layout: Layout,
+    layout: KeyFormat,
     everywhere: Collection[str],
     groups: list[list[str]],
 ) -> None:
@@ -78,7 +78,7 @@ def check_compatible(
     warn_converted_momentum(folder, metadata, flat_state, layout.optim + "state.")
 
 
-def _optimizer_only(keys: Iterable[str], layout: Layout) -> tuple[str, str]:
+def _optimizer_only(keys: Iterable[str], layout: KeyFormat) -> tuple[str, str]:
     """What the error says, and the way out, when the weights match and only the optimizer state
     does not; nothing when the weights differ too."""
     if any(layout.part(k) != "optim" for k in keys):
@@ -91,7 +91,11 @@ def _optimizer_only(keys: Iterable[str], layout: Layout) -> tuple[str, str]:
 
 
 def _check_settings(
-    folder: Path, saved: Mapping[str, Any], flat: Mapping[str, Any], layout: Layout, groups: list[list[str]]
+    folder: Path,
+    saved: Mapping[str, Any],
+    flat: Mapping[str, Any],
+    layout: KeyFormat,
+    groups: list[list[str]],
 ) -> None:
     prefix = layout.optim + "param_groups."
     if layout.format == 1:

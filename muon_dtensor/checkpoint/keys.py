@@ -27,10 +27,12 @@ __all__ = [
     "BY_INDEX",
     "PER_FQN",
     "TORCHTITAN",
+    "KeyFormat",
     "Layout",
     "Models",
     "Optimizers",
     "Parts",
+    "format_of_manifest",
     "layout_of_manifest",
     "optimizer_types",
 ]
@@ -41,8 +43,8 @@ Optimizers = Optimizer | Sequence[Optimizer] | None  # one per part; None: weigh
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The key prefixes of one checkpoint format."""
+class KeyFormat:
+    """The key prefixes of one checkpoint format (where a checkpoint keeps each entry)."""
 
     format: int
     model: str  # prefix of the model's entries
@@ -58,14 +60,20 @@ class Layout:
         return "model"
 
 
-PER_FQN = Layout(2, "", "optimizer.")
-BY_INDEX = Layout(1, "model.", "optim.")
+PER_FQN = KeyFormat(2, "", "optimizer.")
+BY_INDEX = KeyFormat(1, "model.", "optim.")
 # A folder torchtitan's CheckpointManager wrote: format 2, plus its trainer's own entries.
-TORCHTITAN = Layout(2, "", "optimizer.", ("extra.", "train_state.", "lr_scheduler.", "dataloader."))
+TORCHTITAN = KeyFormat(2, "", "optimizer.", ("extra.", "train_state.", "lr_scheduler.", "dataloader."))
 
 
-def layout_of_manifest(manifest: dict[str, Any]) -> Layout:
+def format_of_manifest(manifest: dict[str, Any]) -> KeyFormat:
     return PER_FQN if manifest.get("format", 1) == 2 else BY_INDEX
+
+
+# The names before 0.6 (``checkpoint.layout.Layout``), for one release: "layout" is a parameter's
+# placement on the mesh (docs/design.md, "Four layouts").
+Layout = KeyFormat
+layout_of_manifest = format_of_manifest
 
 
 def optimizer_types(optimizer: Optimizers) -> str | None:

@@ -1,4 +1,4 @@
-"""``load_checkpoint``: a published step (either format, see ``layout``) or a folder torchtitan's
+"""``load_checkpoint``: a published step (either format, see ``keys``) or a folder torchtitan's
 ``CheckpointManager`` wrote, into one model part and optimizer per rank or several.
 
 Before anything is loaded: the files are verified against their checksums (a torchtitan folder has
@@ -24,19 +24,19 @@ from ..checks.together import attempt, raise_together
 from . import collectives
 from ._fresh import check_optimizer_state, keep_param_names, start_fresh
 from ._warnings import single_process
-from .agree import agree
+from .arguments_agree import agree
 from .extra_tensors import fill, templates
 from .fit import check_compatible, tensor_keys
-from .layout import (
+from .keys import (
     TORCHTITAN,
-    Layout,
+    KeyFormat,
     Models,
     Optimizers,
     Parts,
     PartState,
     apply,
     dcp_state,
-    layout_of_manifest,
+    format_of_manifest,
     optimizer_types,
     part_states,
 )
@@ -156,7 +156,7 @@ def load_checkpoint(
     folder, titan = _source(root, chosen)
     rank = collectives.rank_and_size(process_group)[0]
     manifest = _titan_manifest(folder, rank) if titan else _verify(folder, process_group)
-    layout = TORCHTITAN if titan else layout_of_manifest(manifest)
+    layout = TORCHTITAN if titan else format_of_manifest(manifest)
     state, filled = _check_and_read(folder, manifest, layout, parts, fresh, process_group)
     _apply(state, layout, filled, parts, fresh)
     if fresh and rank == 0:
@@ -171,7 +171,7 @@ def load_checkpoint(
 def _check_and_read(
     folder: Path,
     manifest: dict[str, Any],
-    layout: Layout,
+    layout: KeyFormat,
     parts: Parts,
     fresh: bool,
     group: dist.ProcessGroup | None,
@@ -232,7 +232,9 @@ def _read(folder: Path, files: Any, state: dict[str, Any], group: dist.ProcessGr
         raise CheckpointError(f"{folder}: DCP could not read the checkpoint: {e}") from e
 
 
-def _apply(state: dict[str, Any], layout: Layout, states: list[PartState], parts: Parts, fresh: bool) -> None:
+def _apply(
+    state: dict[str, Any], layout: KeyFormat, states: list[PartState], parts: Parts, fresh: bool
+) -> None:
     """Hand the loaded state to the parts (and their optimizers, unless they start fresh)."""
     if layout.format == 2:
         apply(state, states, parts)

@@ -31,8 +31,8 @@ from ..optim.group_sharding import layout_of
 from ..sharding.plan.blocks import Block
 from ..sharding.plan.param_layout import local_of
 from ._warnings import single_process
-from .agree import agree
-from .layout import layout_of_manifest
+from .arguments_agree import agree
+from .keys import format_of_manifest
 from .manifest import CheckpointError, verify_folder
 from .safe_read import SafeLoadPlanner, SafeReader, is_file_name, read_metadata
 
@@ -52,7 +52,7 @@ def _read_tensors(folder: Path, prefix: str | None) -> dict[str, torch.Tensor]:
     manifest = verify_folder(folder)
     files = sorted(manifest["files"])
     metadata = read_metadata(folder, files).state_dict_metadata
-    layout = layout_of_manifest(manifest)
+    layout = format_of_manifest(manifest)
     if prefix is None:
         prefix, chosen = layout.model, [k for k in metadata if layout.part(k) == "model"]
     else:

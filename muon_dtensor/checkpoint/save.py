@@ -34,9 +34,9 @@ from ..checks.together import attempt, raise_together
 from ..sharding.runtime import groups
 from . import collectives
 from ._warnings import single_process
-from .agree import agree_save
+from .arguments_agree import agree_save
 from .extra_tensors import rank_entries, split_tensors
-from .layout import PER_FQN, Models, Optimizers, Parts, dcp_state, optimizer_types, part_states
+from .keys import PER_FQN, Models, Optimizers, Parts, dcp_state, optimizer_types, part_states
 from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, check_extra, complete_steps, file_record
 from .publish import IN_FLIGHT, claim, discarding, prune, publish
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 def _saved_state(model: Models, optimizer: Optimizers) -> dict[str, Any]:
-    """What a save writes (format 2, ``layout``): the rank's parts by FQN, their optimizers' entries
+    """What a save writes (format 2, ``keys``): the rank's parts by FQN, their optimizers' entries
     per parameter. Local: ValueError for parts that do not pair up or share an entry."""
     return dcp_state(part_states(Parts.of(model, optimizer), with_optimizer=True))
 

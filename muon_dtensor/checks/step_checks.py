@@ -85,12 +85,12 @@ class StepChecks:
     def __init__(self, step_group: Any = None) -> None:
         self._step_group = step_group  # None: the default group, joined only by ranks with a scope
         self._key: tuple | None = None
-        self._layout: _ParamSetCache | None = None
+        self._param_set: _ParamSetCache | None = None
         self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
 
     def param_set(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> int:
         """The generation of the current parameter set (local: no collective)."""
-        self._layout_of(groups, ddp_group)
+        self._param_set_of(groups, ddp_group)
         return self.generation
 
     def run(
@@ -98,42 +98,42 @@ class StepChecks:
     ) -> tuple[list[NSConfig | None], list[list[int]]]:
         """Per group its Newton-Schulz config (None for AdamW) and the indices of the parameters
         with a gradient to apply; raises the same error on every rank of a scope."""
-        layout = self._layout_of(groups, ddp_group)
+        param_set = self._param_set_of(groups, ddp_group)
         configs, error = _local_checks(groups)
-        if error is None and layout.step.outside is not None:
-            error = ValueError(layout.step.outside)
-        bits, bad = presence(layout.flat, layout.specs)
+        if error is None and param_set.step.outside is not None:
+            error = ValueError(param_set.step.outside)
+        bits, bad = presence(param_set.flat, param_set.specs)
         digests = [
             digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
-            for text, members in zip(layout.params, layout.members)
+            for text, members in zip(param_set.params, param_set.members)
         ]
-        held = [_bits_pieces(bits, scoped) for scoped in layout.scoped]
-        heads, ranks, failed = _reduce(layout, self._step_group, digests, held, bad, error)
+        held = [_bits_pieces(bits, scoped) for scoped in param_set.scoped]
+        heads, ranks, failed = _reduce(param_set, self._step_group, digests, held, bad, error)
         for k, head in enumerate(heads):
             if head.disagree():  # the root cause: a failed check may follow from it
-                _explain(groups, ddp_group, layout.scopes[k])
+                _explain(groups, ddp_group, param_set.scopes[k])
         if error is not None or failed:
             _raise_together(error, failed)
         slow = [k for k, head in enumerate(heads) if head.held_unlike()]
-        present = list(bits) if not (slow or bad) else _present_slow(layout, slow, ranks)
+        present = list(bits) if not (slow or bad) else _present_slow(param_set, slow, ranks)
         it = iter(present)
-        return configs, [[i for i in range(size) if next(it)] for size in layout.sizes]
+        return configs, [[i for i in range(size) if next(it)] for size in param_set.sizes]
 
-    def _layout_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _ParamSetCache:
+    def _param_set_of(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any) -> _ParamSetCache:
         key = (
             id(ddp_group),
             tuple(
                 (tuple(map(id, g["params"])), tuple(g.get("param_names", ())), g["algorithm"]) for g in groups
             ),
         )
-        if key != self._key or self._layout is None:
-            self._layout = _build_layout(groups, ddp_group, self._step_group)
+        if key != self._key or self._param_set is None:
+            self._param_set = _build_param_set(groups, ddp_group, self._step_group)
             self._key = key
             self.generation += 1
-        return self._layout
+        return self._param_set
 
 
-def _build_layout(groups: Sequence[Mapping[str, Any]], ddp_group: Any, step_group: Any) -> _ParamSetCache:
+def _build_param_set(groups: Sequence[Mapping[str, Any]], ddp_group: Any, step_group: Any) -> _ParamSetCache:
     per_scope = dict(sorted(scope_entries(groups, ddp_group).items(), key=lambda kv: scope_key(kv[0])))
     everything = repr(all_params(groups))
     params = tuple(
@@ -182,7 +182,7 @@ def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | 
 
 
 def _reduce(
-    layout: _ParamSetCache,
+    param_set: _ParamSetCache,
     step_group: Any,
     digests: Sequence[Sequence[int]],
     held: Sequence[Sequence[int]],
@@ -198,17 +198,17 @@ def _reduce(
     heads: dict[int, _Summed] = {}
     ranks: dict[int, int] = {}
     failed = int(error is not None)
-    step = layout.step
+    step = param_set.step
     if step.joins:
         fold = step.folded
         own = rows[fold] if fold is not None else [0] * _ROW
         ((sums, size),) = summed([failed, *step.pieces, *own], [group_of(step_group)])
         if not agreed(sums[1:3]):
-            _lacking(layout, step_group)
+            _lacking(param_set, step_group)
         failed = sums[0]
         if fold is not None:
             heads[fold], ranks[fold] = _Summed.of(sums[3:]), size
-    for k, scope in enumerate(layout.scopes):
+    for k, scope in enumerate(param_set.scopes):
         if k not in heads:
             ((sums, size),) = summed(rows[k], [scope])
             heads[k], ranks[k] = _Summed.of(sums), size
@@ -223,9 +223,9 @@ def _row(failed: int, pieces: Sequence[int], bits: Sequence[int], bad: int) -> l
     return [1, *pieces, *(x * x for x in pieces), failed, *bits, *(x * x for x in bits), bad]
 
 
-def _lacking(layout: _ParamSetCache, step_group: Any) -> None:
+def _lacking(param_set: _ParamSetCache, step_group: Any) -> None:
     """Some rank of the step group lacks a mesh its peers step on: name it, on every rank."""
-    everyone = gather_over_scope([scope_key(s) for s in layout.scopes], group_of(step_group))
+    everyone = gather_over_scope([scope_key(s) for s in param_set.scopes], group_of(step_group))
     raise ValueError(
         f"ranks disagree about the meshes they step on: {describe(everyone)}. Every rank of a mesh must "
         "hold parameters on it in its optimizer (build the model and optimizer the same way on every "
@@ -239,18 +239,18 @@ def _bits_pieces(bits: bytes, scoped: Sequence[int]) -> list[int]:
     return digest_pieces(bytes(bits[i] for i in scoped).hex())
 
 
-def _present_slow(layout: _ParamSetCache, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
+def _present_slow(param_set: _ParamSetCache, slow: Sequence[int], ranks: Sequence[int]) -> list[bool]:
     """Some scope's ranks hold gradients unlike each other, or a bad one: the full flags summed
     over those scopes (every rank of such a scope saw the same sums, so all of them reduce) to
     name the parameter. A scope whose ranks agree sums to its rank count times the local flags."""
-    flags = local_flags(layout.flat)
+    flags = local_flags(param_set.flat)
     sums = []
-    for k, scope in enumerate(layout.scopes):
+    for k, scope in enumerate(param_set.scopes):
         if k in slow:
             sums.append(sum_over_scopes(flags.flatten(), [scope])[0][0].view(flags.shape))
         else:
             sums.append(flags * torch.tensor([ranks[k], 1, 1], dtype=torch.int64))
-    return _present(layout, flags, sums, ranks)
+    return _present(param_set, flags, sums, ranks)
 
 
 def _raise_together(error: Exception | None, failed: int) -> None:
@@ -265,18 +265,18 @@ def _raise_together(error: Exception | None, failed: int) -> None:
 
 
 def _present(
-    layout: _ParamSetCache, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]
+    param_set: _ParamSetCache, mine: Tensor, sums: Sequence[Tensor], ranks: Sequence[int]
 ) -> list[bool]:
     """Which parameters have a gradient somewhere in their scope; raises (``preflight.raise_for``)
     for a sparse or mislaid gradient, or one present on some ranks of a scope only. A parameter no
     collective involves still must not fail on one rank alone: its sparse and mislaid counts are
     the largest over every scope of this rank. A few tensor ops, whatever the parameter count."""
     n = mine.shape[0]
-    unscoped = layout.scope_of < 0
+    unscoped = param_set.scope_of < 0
     rows, counts = mine.clone(), torch.full((n,), max(ranks, default=1), dtype=torch.int64)
     if sums:
         stacked = torch.stack(list(sums))  # [scopes, n, 3]
-        index = layout.scope_of.clamp(min=0)
+        index = param_set.scope_of.clamp(min=0)
         rows = torch.where(unscoped[:, None], rows, stacked[index, torch.arange(n)])
         worst = torch.maximum(mine[:, 1:], stacked[:, :, 1:].amax(dim=0))
         rows[:, 1:] = torch.where(unscoped[:, None], worst, rows[:, 1:])
@@ -285,7 +285,7 @@ def _present(
     bad = (rows[:, 1] > 0) | (rows[:, 2] > 0) | partial
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        p = layout.flat[i]
-        scope = True if int(layout.scope_of[i]) >= 0 else None
-        raise_for(PreflightItem(layout.names[i], p, p.grad, scope), rows[i].tolist(), int(counts[i]))
+        p = param_set.flat[i]
+        scope = True if int(param_set.scope_of[i]) >= 0 else None
+        raise_for(PreflightItem(param_set.names[i], p, p.grad, scope), rows[i].tolist(), int(counts[i]))
     return (rows[:, 0] > 0).tolist()

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from ..checks import together
 from ..checks.agreement import plain
 from ..sharding.plan.blocks import AxisShard, Interval, shard_blocks
-from ..sharding.plan.param_layout import _shards, check_placements, local_of
+from ..sharding.plan.param_layout import check_placements, local_of, shards_of
 from ..sharding.runtime import comm
 
 __all__ = ["QKClipFactors", "qk_clip_", "qk_clip_all_", "qk_clip_factors"]
@@ -88,7 +88,7 @@ def local_rows(w: Tensor, name: str) -> Tensor:
     supported placement: Shard, uneven and empty shards, _StridedShard)."""
     if not isinstance(w, DTensor):
         return torch.arange(w.shape[0])
-    shards = tuple(_shards(w, name))
+    shards = tuple(shards_of(w, name))
     coord = w.device_mesh.get_coordinate()
     assert coord is not None, "check_placements refused ranks outside the mesh"
     flat = 0
