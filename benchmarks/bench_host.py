@@ -210,7 +210,7 @@ def timed_steps(opts: dict[str, torch.optim.Optimizer], steps: int) -> dict[str,
 
 
 def rank_counts(layers: list[int], path: str, warmup: int = 2) -> dict[int, dict[str, Any]]:
-    """Inside a rank: the Muon step's counts on ``path`` at each depth (what tests/test_host_ops.py
+    """Inside a rank: the Muon step's counts on ``path`` at each depth (what tests/numerics/test_host_ops.py
     checks)."""
     out = {}
     for n in layers:

@@ -4,7 +4,7 @@ Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and runs the script as ``__main__`` with the script's folder first on
 its path. As under torchrun, once a rank fails the others are killed (after a few seconds' grace),
 and the exit code is the first failing rank's. It spares a test the agent's and every rank's
-interpreter start (seconds of CPU each); tests/test_examples.py still launches with torchrun itself.
+interpreter start (seconds of CPU each); tests/e2e/test_examples.py still launches with torchrun itself.
 """
 
 from __future__ import annotations

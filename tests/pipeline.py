@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU: a small model split in two stages as torchtitan splits its models
 (the full model with the other stage's modules removed, so names stay the full model's), each stage
 ``fully_shard``-ed on its own ranks of a ("pp", "dp") mesh, driven by ``torch.distributed.pipelining``.
-Shared by tests/test_pipeline.py and tests/test_pipeline_checkpoint.py."""
+Shared by tests/optim/test_pipeline.py and tests/checkpoint/test_pipeline_checkpoint.py."""
 
 from __future__ import annotations
 

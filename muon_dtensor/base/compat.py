@@ -1,7 +1,7 @@
 """Version-tolerant access to the private torch.distributed names muon_dtensor relies on (the
 tensor-level ones, ``torch._foreach_*``, are ``torch_ops.py``'s).
 
-Each private name is looked up here and nowhere else (``tests/test_private_torch.py`` holds the
+Each private name is looked up here and nowhere else (``tests/base/test_private_torch.py`` holds the
 package to it), in every place torch has kept it across the releases listed in
 docs/compatibility.md, so a move in a new torch release is fixed in one file. A name found in none
 of them raises an ImportError that names the torch version and the places tried, at import time

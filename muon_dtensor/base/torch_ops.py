@@ -1,5 +1,5 @@
 """torch's private tensor-level names the math uses, looked up here and nowhere else
-(``tests/test_private_torch.py`` holds the package to it): the multi-tensor ops ``torch._foreach_*``
+(``tests/base/test_private_torch.py`` holds the package to it): the multi-tensor ops ``torch._foreach_*``
 (private by name, the kernels torch.optim's own foreach steps run) and the switch that reads a
 DTensor's attribute without its torch-function check. No ``torch.distributed`` import, so
 ``numerics/`` may use it.

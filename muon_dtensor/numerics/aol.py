@@ -24,7 +24,7 @@ config's dtype (bfloat16 by default, as there) and ``eps`` is the group's ``eps`
 default, the source's value). The repository has no pure-torch AOL function in that file
 (``newton_schulz_torch``, L476-504, is Dion's Frobenius iteration); ``hp-opt-aol-poly.py``
 L317-352 (``orthogonalize(G, ns_consts, aol=True)``) is one, in the input's dtype with a clamp of
-1e-12. tests/test_aol.py transcribes both and runs them against ``newton_schulz``.
+1e-12. tests/numerics/test_aol.py transcribes both and runs them against ``newton_schulz``.
 """
 
 from __future__ import annotations

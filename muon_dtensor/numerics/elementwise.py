@@ -75,7 +75,7 @@ def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
     """Multiply in place by Python scalars, as ``Tensor.mul_`` does (the scalar kept in fp32 math).
 
     torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to a bf16/fp16 list's dtype first (0.998
-    becomes 0.996: twice the weight decay; tests/test_update.py), so only fp32/fp64 lists take it.
+    becomes 0.996: twice the weight decay; tests/numerics/test_update.py), so only fp32/fp64 lists take it.
     Tensor scalars (``capturable``) multiply per distinct scalar: each one multi-tensor call.
     """
     if isinstance(scalars, Tensor) or (
@@ -94,7 +94,7 @@ def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
 
 def _mul_by_tensors_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
     """``_mul_`` by 0-dim tensors: the tensors sharing a scalar in one call (a float64 CPU scalar
-    multiplies as its Python float does, bit for bit: tests/test_capturable.py)."""
+    multiplies as its Python float does, bit for bit: tests/optim/test_capturable.py)."""
     values = list(scalars) if isinstance(scalars, Sequence) else [scalars] * len(tensors)
     by_scalar: dict[int, list[int]] = {}
     for i, s in enumerate(values):

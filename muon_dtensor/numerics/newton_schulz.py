@@ -2,7 +2,7 @@
 
 Nothing here knows about processes or meshes. Every function takes a batch ``[B, m, n]`` of full
 matrices and treats each matrix independently, so the result for one matrix does not depend on which
-other matrices share its batch, given one BLAS thread (``tests/test_newton_schulz.py`` checks this
+other matrices share its batch, given one BLAS thread (``tests/numerics/test_newton_schulz.py`` checks this
 bitwise; with several, MKL may cut a lone product's work another way than a batch's). That property
 is what lets an owner rank orthogonalize any subset of matrices and still match a one-process step.
 """
@@ -72,7 +72,7 @@ _POLAR_EXPRESS: tuple[Triple, ...] = (
 # The three below are copied from NVIDIA-NeMo/Emerging-Optimizers (EO),
 # https://github.com/NVIDIA-NeMo/Emerging-Optimizers/blob/fd7729267109a8848709e9406bf19e53e970c3f4/emerging_optimizers/orthogonalized_optimizers/muon_utils.py
 # ("muon_utils.py@fd77292" below), whose newton_schulz runs them as given after dividing by the
-# Frobenius norm (no norm scale); tests/test_ns_presets.py runs that code's iteration against ours.
+# Frobenius norm (no norm scale); tests/numerics/test_ns_presets.py runs that code's iteration against ours.
 
 # DeepSeek-V4's hybrid (https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf,
 # Algorithm 1, as quoted in microsoft/dion issue #66 and PR #67): 8 steps of Keller's quintic to
@@ -103,7 +103,7 @@ _CUBIC5: tuple[Triple, ...] = (
 
 # Turbo-Muon's 4 steps, fitted to inputs scaled by AOL (``ns_algorithm="aol"``, numerics/aol.py):
 # thib-s/flash-newton-schulz@cdb03db newton_schulz_triton.py L554-559 (``newton_schulz_triton_aol``),
-# run as given, no norm scale; tests/test_aol.py runs that code's iteration against ours.
+# run as given, no norm scale; tests/numerics/test_aol.py runs that code's iteration against ours.
 _TURBO_MUON: tuple[Triple, ...] = (
     (4.6051, -9.6552, 5.6769),
     (4.7505, -6.0861, 2.1790),
@@ -156,7 +156,7 @@ PRESET_STEPS: dict[str, int] = {
 # singular values are at least BAND_INPUT_FLOOR times the Frobenius norm (smaller ones have not
 # converged after 5 steps; for turbo_muon, at least BAND_INPUT_FLOOR after AOL's scaling, which
 # bounds them by 1 as the Frobenius norm does). Computed in float64 by ``scalar_map`` over [0.01, 1], rounded outward to
-# 3 decimals (tests/test_ns_presets.py recomputes them; tests/test_newton_schulz.py checks them by SVD).
+# 3 decimals (tests/numerics/test_ns_presets.py recomputes them; tests/numerics/test_newton_schulz.py checks them by SVD).
 BAND_INPUT_FLOOR = 0.01
 PRESET_BANDS: dict[str, tuple[float, float]] = {
     "keller": (0.681, 1.135),
@@ -311,7 +311,7 @@ def orthogonalize(matrices: Sequence[Tensor], config: NSConfig) -> list[Tensor]:
     time on CPU, which is faster with oneDNN's bfloat16 GEMMs (docs/benchmarks.md) and keeps a
     matrix's bits independent of its batch whatever the BLAS threads. ``always`` batches on CPU too,
     so CPU runs count the CUDA path's ops; ``never`` runs one at a time on CUDA too (``batching``).
-    Batched, the bits are the same with one BLAS thread (tests/test_newton_schulz.py).
+    Batched, the bits are the same with one BLAS thread (tests/numerics/test_newton_schulz.py).
     """
     if not matrices:
         return []

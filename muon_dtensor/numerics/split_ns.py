@@ -19,7 +19,7 @@ The sums run in block order, in the same way in one process (``LocalGang``) as o
 the unsplit ``newton_schulz`` only the summation order and the blocking of the products differ:
 equal within the rounding of ``config.dtype``, not bitwise. This is the one place where a sharded
 result may differ from one process (docs/design.md, "Split Newton-Schulz"; tolerances measured in
-tests/test_split_ns.py).
+tests/numerics/test_split_ns.py).
 """
 
 from __future__ import annotations

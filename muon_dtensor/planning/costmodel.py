@@ -23,7 +23,7 @@ Every rank holds a block of every matrix, so a rank's elementwise work is its lo
 Newton-Schulz is its busiest rank's share of that round (owner mode) or all of it (gather mode). Link
 traffic is counted per rank and per collective from the plan, split into intra-node and inter-node
 bytes, and a collective ends when its busiest rank's busiest link is done; its per-rank sum equals
-``Plan.bytes_sent`` (``tests/test_costmodel.py`` checks it).
+``Plan.bytes_sent`` (``tests/planning/test_costmodel.py`` checks it).
 
 What is left out: overlap inside a collective's own algorithm, link contention beyond one link each way
 per GPU, compute slowed by a concurrent collective, reduced clocks, and kernel efficiency changing with
@@ -165,7 +165,7 @@ def _round_compute(plan: Plan, rnd: Round, hw: Hardware, impl: Implementation, c
 def _host_ops(plan: Plan, impl: Implementation, ns_steps: int, local: int) -> tuple[float, float, float]:
     """Eager ops before, during and after the exchange, on the rank that owns the most Newton-Schulz
     work, counted from its routes as the code issues them (``host_ops.step_ops``, held to the
-    profiler's count by tests/test_host_model.py); the step's checks count with the first phase."""
+    profiler's count by tests/planning/test_host_model.py); the step's checks count with the first phase."""
     busiest = max(range(plan.group_size), key=lambda r: plan.loads[r])
     buckets = math.ceil(local / impl.bucket_elements)
     shape = StepShape(

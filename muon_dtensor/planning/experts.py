@@ -15,11 +15,11 @@ exchanged within its F-rank group, priced as one shard group of F ranks (``costm
 groups at once; their link speed is that of ranks ep apart (``gpus_per_node / ep`` share a node).
 torchtitan itself keeps ``Shard(0)`` on that axis while ``F * ep <= E`` (whole experts again: price
 that with ``--ep`` equal to the shard group); the ``Shard(1)`` layout priced here is what it uses
-beyond, and what ``tests/test_moe_layouts.py`` steps.
+beyond, and what ``tests/sharding/test_moe_layouts.py`` steps.
 
 The optimizer plans such a stack over every rank of the (ep, fsdp) mesh (its exchange group is every
 axis that shards it) and owns each expert on one of its F ranks (``MatrixEntry.sharers``), so it
-moves the bytes priced here (``tests/test_planning_moe.py`` holds a small case to them).
+moves the bytes priced here (``tests/planning/test_planning_moe.py`` holds a small case to them).
 
 Dense and expert groups are exchanged one after the other (separate parameter groups), so the step
 and its parts add up, as ``costmodel.compare_owners`` adds groups laid out differently.

@@ -1,6 +1,6 @@
 """The eager ops one optimizer step issues on the host, counted from a rank's routes the way the code
 issues them: each is a kernel launch (or at least a dispatch) on a GPU, so this is the step's host
-term. Pure arithmetic over the plan layer; ``tests/test_host_model.py`` holds it to the profiler's
+term. Pure arithmetic over the plan layer; ``tests/planning/test_host_model.py`` holds it to the profiler's
 count of top-level ``aten::`` ops (``benchmarks/bench_host.py``'s model, 2 and 4 ranks, both paths).
 
 What each event costs, read from the code (``functional.py``, ``elementwise.py``,

@@ -26,7 +26,9 @@ from tests.ranks import run_ranks
 TIMEOUT = 60.0  # seconds per multi-rank call; a rank that waits in a collective fails the test
 
 
-FORMAT1 = Path(__file__).parent / "data" / "format1"  # written by 0.2.0 (tests/data/make_format1.py)
+FORMAT1 = (
+    Path(__file__).resolve().parents[1] / "data" / "format1"
+)  # written by 0.2.0 (tests/data/make_format1.py)
 
 
 def _net(seed: int = 0) -> tuple[nn.Module, Muon]:

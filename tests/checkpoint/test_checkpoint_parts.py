@@ -16,7 +16,7 @@ from muon_dtensor import Muon, split_params
 from tests.pipeline import differences, snapshot, stack
 from tests.stage_layouts import cut, train
 
-FORMAT1 = Path(__file__).parent / "data" / "format1"
+FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1"
 
 
 def _parts(seed: int) -> tuple[list[Any], list[Muon]]:

@@ -297,7 +297,7 @@ def _three_ranks(folder: Path) -> Path:
     (tests/background.py); their results saved to ``folder / "ranks.json"``."""
     code = (
         "import json, sys; from muon_dtensor.tools.testing import run_ranks; "
-        "from tests.test_one_rank_differs import ROWS, one_rank_differs; "
+        "from tests.checks.test_one_rank_differs import ROWS, one_rank_differs; "
         f"out = run_ranks(one_rank_differs, 3, {str(folder)!r}, ROWS, timeout=300); "
         f"open({str(folder / 'ranks.json')!r}, 'w').write(json.dumps(out))"
     )

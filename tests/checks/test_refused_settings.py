@@ -1,6 +1,6 @@
 """Settings that can only produce NaN, or that the step would misread, are refused with a message
 naming the setting, the value and the fix: at construction, in a param group, and when set later
-(checked again by the step, on every rank: tests/test_set_later.py shows the step's raise reaches
+(checked again by the step, on every rank: tests/optim/test_set_later.py shows the step's raise reaches
 every rank). One process: these checks are local."""
 
 from __future__ import annotations

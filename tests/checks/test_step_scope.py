@@ -18,7 +18,7 @@ from muon_dtensor import Muon
 from muon_dtensor.checks.step_scope import _SEEDS, PRIME, _term, agreed, describe
 from tests.ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _key(ranks: list[int], name: str) -> tuple:

@@ -15,7 +15,7 @@ from muon_dtensor.demo.cpu import EMULATED, ENV, NATIVE, CpuProbe, classify, pro
 from muon_dtensor.demo.round_robin import RoundRobinMuon
 from muon_dtensor.demo.run import precision
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.budget import DEFAULT, choose_size, step_equivalents  # noqa: E402

@@ -16,7 +16,7 @@ from muon_dtensor.demo import report, run
 from muon_dtensor.demo.parallel import demo_shape, layout_problem
 from tests import background
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds for one `python -m muon_dtensor demo` that exits before starting ranks
 
 

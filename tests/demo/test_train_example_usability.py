@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_schedule import LINE, _example, _run
+from tests.demo.test_train_schedule import LINE, _example, _run
 
 
 def test_help_shows_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

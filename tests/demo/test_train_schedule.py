@@ -14,7 +14,7 @@ from types import ModuleType
 
 from tests.ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180.0  # seconds per run; 2 shared cores
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch-size", "4", "--warmup", "2"]
 LINE = re.compile(r"^step (\d+)/(\d+) loss ([\d.]+) lr ([\d.]+) ", re.M)

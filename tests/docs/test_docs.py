@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "docs" / "api.md"
 README = ROOT / "README.md"
 RESULTS = "benchmarks/results/bench_step_run4.json"

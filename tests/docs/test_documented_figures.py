@@ -25,7 +25,7 @@ from torch import nn
 from muon_dtensor import Muon
 from muon_dtensor.demo import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DEMO = "benchmarks/results/demo_fsdp_2to1.json"
 DEMO_2TO4 = "benchmarks/results/demo_fsdp_2to4.json"
@@ -182,7 +182,7 @@ def test_docs_quote_the_tested_gap(doc: str) -> None:
     assert int(found.group(1)) == TORCH_MUON_ROUNDINGS
     example = re.search(r"(\d\.\de-\d) for a square matrix at lr 0\.02", text)
     assert example and f"{float(example.group(1)):.1e}" == f"{TORCH_MUON_ROUNDINGS * LR * 2**-8:.1e}"
-    assert "tests/test_documented_figures.py" in text
+    assert "tests/docs/test_documented_figures.py" in text
     assert "1.2e-4" not in text, "the old, untested figure"
     if doc == "docs/design.md":
         assert f"on {dict(enumerate(WORDS)).get(len(SHAPES), len(SHAPES))} shapes" in text

@@ -5,7 +5,7 @@ from its own layer or lower ones (function-level imports included), with no impo
          <- checkpoint <- integrations <- tools <- demo
 
 ``base/`` is the floor: the torch shims every private torch name goes through
-(tests/test_private_torch.py), what a parameter's name says, and warnings at the user's line.
+(tests/base/test_private_torch.py), what a parameter's name says, and warnings at the user's line.
 
 ``planning/`` stands beside them: it prices the math and the plan and never talks, and the optimizer
 reaches it only through ``optim/policy.py``, where the ``"auto"`` options are priced. A new module's
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "muon_dtensor"
+PACKAGE = Path(__file__).resolve().parents[2] / "muon_dtensor"
 # Lowest first. The package's own __init__ and __main__ sit above every layer.
 LAYERS = [
     "base", "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",

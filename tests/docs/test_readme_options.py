@@ -7,7 +7,7 @@ from pathlib import Path
 
 from muon_dtensor.demo.run import _parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_lists_every_demo_option() -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_step import DISTRIBUTED, SINGLE, check_targets  # noqa: E402
 from benchmarks.goals import format_goals  # noqa: E402

@@ -25,7 +25,7 @@ import pytest
 
 from tests import background
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline.py"
 TIMEOUT = 300  # seconds per launch; one took 18 to 29 s on the 2 shared cores, two at a time
 STEPS, SAVE, DIE = 6, 2, 4

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from tests import background
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300  # seconds per run; generous because other test suites may share the 2 cores
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch-size", "4"]
 

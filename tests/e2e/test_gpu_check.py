@@ -22,7 +22,7 @@ from benchmarks.gpucheck.ns_speed import ns_config
 from muon_dtensor.numerics.newton_schulz import ns_flops, orthogonalize_flops
 from tests import background
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "skipped", "error"}
 

@@ -27,7 +27,7 @@ from tests.conftest import DemoRun
 from tests.models import dt
 from tests.ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120.0
 # name: (query heads, key heads, head_dim, hidden). "gqa" cuts heads across FSDP shards; "mqa" has
 # uneven shards (15 rows on 4 ranks) and an empty one (3 key rows on 4 ranks); "tp" splits by heads.

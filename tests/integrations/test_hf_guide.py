@@ -1,6 +1,6 @@
 """docs/hf_trainer.md, run as written: its three ``python`` blocks, in fresh processes (accelerate
 keeps process-wide state). The page's ``model`` and ``train_dataset`` ("yours") are the tiny Llama
-and counting data of tests/test_hf_trainer.py.
+and counting data of tests/integrations/test_hf_trainer.py.
 
 The FSDP2 block runs on 2 CPU ranks (gloo) with ``transformers.Trainer`` replaced by the page's own
 ``CpuFsdpTrainer`` block, which keeps FSDP on, as accelerate does on GPUs; without it accelerate
@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.integration
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "hf_trainer.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "hf_trainer.md"
 
 
 def blocks() -> list[str]:
@@ -66,7 +66,7 @@ def test_factory_form_trains_fsdp2_on_two_ranks(tmp_path: Path) -> None:
 
 def run_block(root: str, order: list[int]) -> dict[str, Any]:
     """Run the guide's blocks ``order`` (the last one trains) in ``root``; what the trainer holds."""
-    from tests.test_hf_trainer import Counting, _model
+    from tests.integrations.test_hf_trainer import Counting, _model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(

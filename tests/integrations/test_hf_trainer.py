@@ -5,7 +5,7 @@ The Trainer refuses ``optimizers=(...)`` under FSDP, so Muon comes in through
 ``optimizer_cls_and_kwargs`` as the factory ``muon_dtensor.integrations.hf.MuonForTrainer`` (transformers' hook
 for Muon-like optimizers): it gets the plain model, builds the param groups with ``split_params``,
 and accelerate then swaps the parameters for the DTensors ``fully_shard`` made (``Muon`` follows,
-tests/test_accelerate.py). On CPU accelerate drops its FSDP plugin; ``muon_dtensor.integrations.hf.FsdpOnCpu``
+tests/integrations/test_accelerate.py). On CPU accelerate drops its FSDP plugin; ``muon_dtensor.integrations.hf.FsdpOnCpu``
 puts it back, as accelerate does on a GPU (accelerate's GPU-only decision itself is not tested).
 
 accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)``: under
@@ -54,7 +54,7 @@ def _trainer_runs(folder: Path) -> tuple[Path, Path]:
     ``runs.pt``, their checkpoints in ``folder / "ckpt"``."""
     code = (
         "import torch; from muon_dtensor.tools.testing import run_ranks; "
-        "from tests.test_hf_trainer import resume, train_and_save; "
+        "from tests.integrations.test_hf_trainer import resume, train_and_save; "
         f"root = {str(folder / 'ckpt')!r}; "
         "first = run_ranks(train_and_save, 2, root, timeout=240); "
         f"torch.save((first, run_ranks(resume, 2, root, timeout=240)), {str(folder / 'runs.pt')!r})"
@@ -113,7 +113,7 @@ class Counting(torch.utils.data.Dataset):
 
 
 def _model() -> nn.Module:
-    from tests.test_hf_llama import config  # the same tiny Llama
+    from tests.integrations.test_hf_llama import config  # the same tiny Llama
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config())

@@ -34,7 +34,7 @@ L = pytest.importorskip("lightning")
 pytestmark = pytest.mark.integration
 from lightning.pytorch import Callback  # noqa: E402 - after the skip
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning" / "train.py"
 
 
 def _load_example() -> Any:

@@ -282,7 +282,7 @@ def _in_background(folder: Path) -> Path:
     once per rank. The ranks' results are saved to ``folder / "runs.pt"``."""
     code = (
         "import torch; from muon_dtensor.tools.testing import run_ranks; "
-        "from tests.test_moe_torchtitan import titan_runs; "
+        "from tests.integrations.test_moe_torchtitan import titan_runs; "
         f"torch.save(run_ranks(titan_runs, 4, timeout=240), {str(folder / 'runs.pt')!r})"
     )
     done = background.run([sys.executable, "-c", code], timeout=300, env=background.environ())

@@ -2,7 +2,7 @@
 is torchtitan's own (model FQNs at the top level, the optimizer under ``optimizer.`` keyed per
 parameter), so a folder either one writes loads in the other, weights and momentum bit for bit.
 
-torchtitan's trainer cannot run here (tests/test_torchtitan.py says why); these tests drive its
+torchtitan's trainer cannot run here (tests/integrations/test_torchtitan.py says why); these tests drive its
 container, schedulers and ``CheckpointManager`` on CPU and gloo, as that file does.
 """
 
@@ -16,9 +16,7 @@ import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from tests.models import build
-from tests.ranks import run_ranks
-from tests.test_torchtitan import (
+from tests.integrations.test_torchtitan import (
     SAVE_AT,
     checkpointer,
     differences,
@@ -27,6 +25,8 @@ from tests.test_torchtitan import (
     titan_stack,
     train,
 )
+from tests.models import build
+from tests.ranks import run_ranks
 
 pytestmark = [needs_titan, pytest.mark.integration]
 TIMEOUT = 180.0

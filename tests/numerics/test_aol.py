@@ -37,8 +37,8 @@ from muon_dtensor.numerics.newton_schulz import (
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.models import full, stepped
+from tests.numerics.test_ns_presets import seeded_inputs
 from tests.ranks import run_ranks
-from tests.test_ns_presets import seeded_inputs
 
 Triple = tuple[float, float, float]
 
@@ -99,7 +99,7 @@ def _aol(dtype: torch.dtype, preset: str = "turbo_muon", steps: int | None = Non
 
 
 def source_differences(dtype: torch.dtype) -> dict[str, float]:
-    """Largest |ours - source's| per seeded input (``tests.test_ns_presets.seeded_inputs``) in
+    """Largest |ours - source's| per seeded input (``tests.numerics.test_ns_presets.seeded_inputs``) in
     ``dtype``, against the Triton transcription; float64 against the hp-opt one too."""
     out = {}
     for x in seeded_inputs():

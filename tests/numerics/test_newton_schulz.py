@@ -19,7 +19,7 @@ from muon_dtensor.numerics.newton_schulz import (
     stacked,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
-from tests.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
+from tests.numerics.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
 
 
 def _ill_conditioned(m: int, n: int, cond: float, gen: torch.Generator) -> torch.Tensor:
@@ -43,7 +43,7 @@ def _inputs() -> list[torch.Tensor]:
     return rand + ill
 
 
-# Bands over Frobenius-scaled inputs; turbo_muon's is over AOL-scaled ones (tests/test_aol.py).
+# Bands over Frobenius-scaled inputs; turbo_muon's is over AOL-scaled ones (tests/numerics/test_aol.py).
 FROBENIUS_PRESETS = sorted(set(PRESET_BANDS) - AOL_PRESETS)
 
 

@@ -2,7 +2,7 @@
 
 The row statistics need whole rows, so they run on the owner rank that assembles the whole matrix:
 the sharded step equals the one-process step bit for bit on every layout, second moment included
-(its checkpoints, swaps and errors: tests/test_normuon_state.py). A version that normalizes each
+(its checkpoints, swaps and errors: tests/optim/test_normuon_state.py). A version that normalizes each
 rank's own piece (microsoft/dion normalizes what each rank holds after the exchange) changes the
 maths under a column split; the last test measures by how much.
 """
@@ -24,7 +24,7 @@ from muon_dtensor.numerics.newton_schulz import newton_schulz
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.models import MLP, build, full, model_grads, shard_mlp, step_together
 from tests.ranks import run_ranks
-from tests.test_layouts import cut_like  # distribute_tensor refuses uneven _StridedShard pieces
+from tests.sharding.test_layouts import cut_like  # distribute_tensor refuses uneven _StridedShard pieces
 
 LR, WD, MU, BETA2 = 0.02, 0.1, 0.95, 0.95
 KEY = "second_momentum_buffer"

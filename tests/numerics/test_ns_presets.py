@@ -6,7 +6,7 @@ https://github.com/NVIDIA-NeMo/Emerging-Optimizers/blob/fd7729267109a8848709e940
 ``_eo_newton_schulz`` below is its ``newton_schulz`` (L199-274: transpose a tall input, divide by the
 Frobenius norm with ``F.normalize``, iterate, transpose back) and ``newton_schulz_step`` (L370-378,
 with its cubic path for c = 0), run in float64 where EO insists on float32. The bands of every
-preset are recomputed here from ``scalar_map``; tests/test_newton_schulz.py and tests/test_gram.py
+preset are recomputed here from ``scalar_map``; tests/numerics/test_newton_schulz.py and tests/numerics/test_gram.py
 check them by SVD, and import the bfloat16 exceptions measured for them from this module.
 """
 
@@ -36,7 +36,7 @@ from muon_dtensor.numerics.ns_config import resolve_ns_config
 
 Triple = tuple[float, float, float]
 
-# bfloat16 cases where tests/test_newton_schulz.py's and tests/test_gram.py's shared tolerances do
+# bfloat16 cases where tests/numerics/test_newton_schulz.py's and tests/numerics/test_gram.py's shared tolerances do
 # not fit, measured on their inputs (torch 2.13, AMD EPYC with AVX512-BF16). CANS: expected to fail.
 BF16_DRIFTS: dict[str, str] = {
     "cans": (

@@ -1,7 +1,7 @@
 """What a CUDA graph of a steady step needs, checked on CPU: every steady step issues the same ops
 with the same output shapes and dtypes (so a captured step's allocations are the replayed step's),
 with the learning rate changing between steps as a schedule changes it, and reads nothing from
-the device (no ``.item()``, no branching on a tensor's value: ``tests/test_host_sync.py``'s watch,
+the device (no ``.item()``, no branching on a tensor's value: ``tests/optim/test_host_sync.py``'s watch,
 here on the one-process path too). What capture itself does is measured on a GPU by
 ``benchmarks/gpu_check.py`` part (d); docs/design.md ("Capturing a step") says what holds."""
 
@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_leaves
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
 from tests.models import build, distribute_like, model_grads
+from tests.optim.test_host_sync import SyncWatch
 from tests.ranks import run_ranks
-from tests.test_host_sync import SyncWatch
 
 Op = tuple[str, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
 

@@ -4,7 +4,7 @@
    run in bf16, the gradients come back reduced in fp32 onto fp32 shards. Given those gradients, the
    sharded step equals a one-process Muon on the fp32 model given the same (gathered) gradients,
    parameters and every state entry bitwise; a plain DCP save and load on the same layout
-   (``get_state_dict`` + ``dcp.save``) resumes bitwise. tests/test_mixed_precision.py checks the
+   (``get_state_dict`` + ``dcp.save``) resumes bitwise. tests/optim/test_mixed_precision.py checks the
    helpers' checkpoint and that such a run trains; this file pins the step itself.
 2. bf16 parameters without a policy (``model.to(bfloat16)``, then ``fully_shard``): momentum is bf16,
    as torch.optim.Muon keeps it, and a sharded step equals one process bitwise.

@@ -20,8 +20,8 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.checkpoint.safe_read import read_metadata
 from tests.models import build, full, model_grads, step_together
+from tests.optim.test_exact import SHAPES, run_steps
 from tests.ranks import run_ranks
-from tests.test_exact import SHAPES, run_steps
 
 TIMEOUT = 240.0
 SAVED, TOTAL = 2, 4

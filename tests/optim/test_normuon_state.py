@@ -1,6 +1,6 @@
 """NorMuon's state: the second moment follows parameters swapped for DTensors, saves and
 loads through DCP on another world size bit for bit, and bad options or layouts are refused with an
-error that names the parameter. The maths and its exactness under sharding: tests/test_normuon.py.
+error that names the parameter. The maths and its exactness under sharding: tests/numerics/test_normuon.py.
 """
 
 from __future__ import annotations

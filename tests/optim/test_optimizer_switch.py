@@ -245,7 +245,7 @@ def test_safetensors_fill_persistent_buffers_not_others(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_llama_save_pretrained_into_a_sharded_model(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from tests.test_hf_llama import config
+    from tests.integrations.test_hf_llama import config
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config())
@@ -378,7 +378,7 @@ def bad_safetensors(root: str, cases: list[str]) -> dict[str, tuple[str, str, bo
 
 
 def llama_from_safetensors(folder: str) -> dict[str, torch.Tensor]:
-    from tests.test_hf_llama import build as fsdp_llama  # fully_shard per decoder layer
+    from tests.integrations.test_hf_llama import build as fsdp_llama  # fully_shard per decoder layer
 
     model = fsdp_llama(seed=5)  # other initial values: the load must replace every one
     load_safetensors(model, folder)

@@ -2,7 +2,7 @@
 
 A split step equals, bitwise, the one-process step whose Newton-Schulz is ``split_orthogonalize``
 (the same column blocks, the same sums in the same order), on every layout; against the unsplit
-one-process step it differs within bfloat16 rounding (tests/test_split_ns.py states the bound).
+one-process step it differs within bfloat16 rounding (tests/numerics/test_split_ns.py states the bound).
 """
 
 from __future__ import annotations

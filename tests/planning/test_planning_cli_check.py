@@ -16,9 +16,9 @@ import pytest
 
 from muon_dtensor.__main__ import main as package_main
 from tests import background
-from tests.test_topology import SMALL  # the same small config
+from tests.tools.test_topology import SMALL  # the same small config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFUSE_S = 60  # a refusal is an import and a few checks: seconds, far from the minutes it replaces
 
 

@@ -201,7 +201,7 @@ def test_fsdp_groups_ep_apart_use_node_links() -> None:
 
 def test_benchmarks_md_quotes_what_plan_prints(capsys: pytest.CaptureFixture[str]) -> None:
     """docs/benchmarks.md's MoE rows on 64 GPUs are the command's JSON, rounded as printed there."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
     rows = re.findall(r"^\| (deepseek-v3) \| (64) \| (\S+) \| \S+ \| (.+) \|$", text, re.M)
     assert len(rows) == 3
     for model, gpus, ep, rest in rows:

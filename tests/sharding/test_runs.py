@@ -11,13 +11,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from muon_dtensor.numerics.newton_schulz import stacked
 from muon_dtensor.planning.plans import hsdp_plan, sharded_plan
-from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, block_shape, shard_blocks
+from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, shard_blocks
 from muon_dtensor.sharding.plan.build import MatrixEntry, build_plan
 from muon_dtensor.sharding.plan.routes import Inbound, Outbound, RoundRoute, build_routes
 from muon_dtensor.sharding.plan.runs import Run, merge_members, merge_runs, owner_copies, segments
-from muon_dtensor.sharding.runtime.exchange import _assemble, _cut, _run_views
+from muon_dtensor.sharding.runtime.exchange import _assemble, _cut, pack_results, unpack_received
 
 ROWS: Block = (((0, 2),), ((0, 3),))
 
@@ -77,11 +76,7 @@ def _assembled_by_runs(
 ) -> dict[int, Tensor]:
     out = _stacks(route, shapes)
     out |= {m: torch.zeros(shapes[m]) for m, *_ in route.received if m not in out}
-    for run in route.runs:
-        pieces, rows = _run_views(buffer, out[run.member], run)
-        rows.copy_(pieces)
-    for m, offset, block in route.loose:
-        _assemble(out[m], block, buffer[offset : offset + block_numel(block)])
+    unpack_received(route, buffer, out)  # the step's own copies, against the block-by-block reference
     return out
 
 
@@ -93,18 +88,6 @@ def _assembled_by_blocks(
     for m, src, offset, block in route.received:
         _assemble(out[m], block, segments[src][offset : offset + block_numel(block)])
     return out
-
-
-def _packed_by_runs(route: Outbound, results: dict[int, Tensor]) -> Tensor:
-    send = torch.full((sum(route.send_numels),), float("nan"))
-    for run in route.send_runs:
-        together = not run.more or stacked([results[m] for m in run.members])
-        for part in [run] if together else [run.single(j) for j in range(len(run.members))]:
-            pieces, rows = _run_views(send, results[part.member], part)
-            pieces.copy_(rows)
-    for m, offset, block in route.send_loose:
-        send[offset : offset + block_numel(block)].view(block_shape(block)).copy_(_cut(results[m], block))
-    return send
 
 
 def _packed_by_blocks(route: Outbound, results: dict[int, Tensor]) -> Tensor:
@@ -135,7 +118,8 @@ def test_runs_move_what_the_block_copies_move(n: int) -> None:
                         for m, r in _stacks(route.inbound, shapes, together).items():
                             results[m] = r.copy_(torch.randn(shapes[m], generator=gen))
                         if route.outbound.collective:
-                            packed = _packed_by_runs(route.outbound, results)
+                            nan = torch.full((sum(route.outbound.send_numels),), float("nan"))
+                            packed = pack_results(route.outbound, results, nan)  # the step's own copies
                             assert torch.equal(packed, _packed_by_blocks(route.outbound, results))
     assert loose and (merged or n == 2), "the layouts exercise both paths (2 ranks: one source each)"
     assert members, "same-shape matrices of a stack share a run"

@@ -21,7 +21,7 @@ from muon_dtensor.tools.resume_check import run_resume_check
 from muon_dtensor.tools.testing import MAX_LOCAL_RANKS, function_ref
 from tests import background
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOOP = """
 import torch
 from torch import nn
@@ -153,7 +153,7 @@ def test_what_ranks_cannot_import_is_refused_with_the_fix(no_ranks: None) -> Non
         run_resume_check(cast(Any, lambda r, w: None), step_here, steps=3, save_at=2)
     with pytest.raises(ValueError, match=r"build='no_such_loop:build': cannot import 'no_such_loop'"):
         run_resume_check("no_such_loop:build", step_here, steps=3, save_at=2)
-    with pytest.raises(ValueError, match=r"module 'tests.test_resume_check_loops' has no 'nothing'"):
+    with pytest.raises(ValueError, match=r"module 'tests.tools.test_resume_check_loops' has no 'nothing'"):
         run_resume_check(f"{__name__}:nothing", step_here, steps=3, save_at=2)
 
 

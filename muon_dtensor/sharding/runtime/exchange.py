@@ -27,7 +27,7 @@ from ..plan.routes import Inbound, Outbound, OwnBatch, RoundRoute
 from ..plan.runs import Run
 from .comm import CommStats, pack_chunks, start_exchange
 
-__all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "run_plan"]
+__all__ = ["Compute", "Finalize", "Prepare", "SplitCompute", "pack_results", "run_plan", "unpack_received"]
 
 Prepare = Callable[[int], Tensor]  # member -> my block of it, in the Newton-Schulz dtype
 Compute = Callable[[Sequence[Tensor]], Sequence[Tensor]]  # same-shape full matrices -> results
@@ -132,6 +132,30 @@ def _own_out(batches: Sequence[OwnBatch], results: dict[int, Tensor]) -> dict[in
     return out
 
 
+def unpack_received(route: Inbound, received: Tensor, where: dict[int, Tensor]) -> None:
+    """Step 2's copies: the received buffer into the full matrices ``where``, run by run (a run is
+    several sources' rows in one copy), then the blocks no run covers."""
+    for run in route.runs:
+        pieces, rows = _run_views(received, where[run.member], run)
+        rows.copy_(pieces)
+    for m, offset, block in route.loose:
+        _assemble(where[m], block, received[offset : offset + block_numel(block)])
+
+
+def pack_results(route: Outbound, results: dict[int, Tensor], send: Tensor) -> Tensor:
+    """Step 4's copies: an owner's results into ``send`` (returned), run by run (a stack's members in
+    one copy where their results are one tensor), then the loose blocks."""
+    for run in route.send_runs:
+        together = not run.more or stacked([results[m] for m in run.members])
+        for part in [run] if together else [run.single(j) for j in range(len(run.members))]:
+            pieces, rows = _run_views(send, results[part.member], part)
+            pieces.copy_(rows)
+    for m, offset, block in route.send_loose:
+        piece = _cut(results[m], block)
+        send[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+    return send
+
+
 def _to_owners(
     route: Inbound, local: dict[int, Tensor], group: dist.ProcessGroup | None, stats: CommStats | None
 ) -> Callable[[], Assembled]:
@@ -157,11 +181,7 @@ def _to_owners(
         for m in route.copies:
             where[m].copy_(local[m])
         _own_in(route.own_batches, where, local)
-        for run in route.runs:
-            pieces, rows = _run_views(received, where[run.member], run)
-            rows.copy_(pieces)
-        for m, offset, block in route.loose:
-            _assemble(where[m], block, received[offset : offset + block_numel(block)])
+        unpack_received(route, received, where)
         if stats is not None:
             stats.release(sum(route.recv_numels) * sample.element_size())
         return stacks, parts
@@ -182,15 +202,9 @@ def _to_blocks(
         out.update(_own_out(route.own_batches, results))
         return lambda: out
     assert group is not None
-    send = torch.empty(sum(route.send_numels), dtype=ref.dtype, device=ref.device)
-    for run in route.send_runs:
-        together = not run.more or stacked([results[m] for m in run.members])
-        for part in [run] if together else [run.single(j) for j in range(len(run.members))]:
-            pieces, rows = _run_views(send, results[part.member], part)
-            pieces.copy_(rows)
-    for m, offset, block in route.send_loose:
-        piece = _cut(results[m], block)
-        send[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+    send = pack_results(
+        route, results, torch.empty(sum(route.send_numels), dtype=ref.dtype, device=ref.device)
+    )
     receive = start_exchange(send, route.send_numels, route.recv_numels, group=group, stats=stats)
 
     def finish() -> dict[int, Tensor]:
