@@ -1,5 +1,6 @@
-"""The floor under every layer: the torch shims (``compat.py``: the private torch.distributed, DCP
-and optimizer names; ``torch_ops.py``: the multi-tensor ops, no ``torch.distributed``), through
-which every private torch name the package uses is reached, what a parameter's name says
-(``names.py``: FQNs in errors, heads) and warnings at the user's line (``warn.py``). It imports
-nothing of the package. Row ``base/`` of docs/design.md's layer table."""
+"""The floor under every layer: the torch shims (``compat``: the version-tolerant lookups;
+``torch_dist``: the private torch.distributed, DCP, optimizer and module names; ``torch_ops``: the
+multi-tensor ops, no ``torch.distributed``), through which every private torch name the package
+uses is reached, what a parameter's name says (``names``: FQNs in errors, heads), warnings at the
+user's line (``warn``) and the old paths of moved modules (``moved``). It imports nothing of the
+package above it. Row ``base/`` of docs/design.md's layer table."""

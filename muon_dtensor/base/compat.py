@@ -1,11 +1,10 @@
-"""Version-tolerant access to the private torch.distributed names muon_dtensor relies on (the
-tensor-level ones, ``torch._foreach_*``, are ``torch_ops.py``'s).
+"""Version-tolerant imports of the private torch APIs muon_dtensor relies on.
 
-Each private name is looked up here and nowhere else (``tests/base/test_private_torch.py`` holds the
-package to it), in every place torch has kept it across the releases listed in
-docs/compatibility.md, so a move in a new torch release is fixed in one file. A name found in none
-of them raises an ImportError that names the torch version and the places tried, at import time
-(``_StridedShard``) or at first use (``flatten_state_dict``, the checkpoint records).
+Each private name is looked up here or beside it in ``base/`` and nowhere else
+(tests/base/test_private_torch.py), in every place torch has kept it across the
+releases listed in docs/compatibility.md, so a move in a new torch release is fixed in one file.
+A name found in none of them raises an ImportError that names the torch version and the places
+tried, at import time (``_StridedShard``) or at first use (``flatten_state_dict``).
 """
 
 from __future__ import annotations
@@ -15,22 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed import distributed_c10d as c10d
 
-__all__ = [
-    "StridedShard",
-    "_StridedShard",
-    "capturable_devices",
-    "dcp_records",
-    "default_group",
-    "default_store",
-    "dtensor_spec",
-    "flatten_state_dict",
-    "has_cpu_backend",
-    "is_fsdp1_flat_param",
-    "local_tensor",
-    "non_persistent_buffers",
-]
+__all__ = ["StridedShard", "_StridedShard", "flatten_state_dict", "has_cpu_backend", "local_tensor"]
 
 
 def _find(name: str, modules: tuple[str, ...]) -> Any:
@@ -56,8 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import _StridedShard
 else:
     _StridedShard = _find("_StridedShard", _STRIDED_SHARD_MODULES)
-# The name the package's modules use (a private name outside this folder is refused).
-StridedShard = _StridedShard
+StridedShard = _StridedShard  # the name the package uses (a private name outside base/ is refused)
 
 
 # DCP's nested-dict flattening, the key mapping dcp.save and dcp.load use for nested state dicts.
@@ -86,49 +70,3 @@ def local_tensor(t: Any) -> torch.Tensor:
     dominated the preflight. Same storage either way; the step runs under ``no_grad``."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t.to_local()
-
-
-def dtensor_spec(t: Any) -> Any:
-    """A DTensor's spec (``DTensor._spec``: mesh, placements, shape) or None for any other tensor.
-    FSDP2 builds a gradient with its parameter's own spec object, so ``is`` compares layouts in a
-    step's steady state without building placements."""
-    return getattr(t, "_spec", None)
-
-
-def default_group() -> torch.distributed.ProcessGroup:
-    """The default process group (``distributed_c10d._get_default_group``)."""
-    return c10d._get_default_group()
-
-
-def default_store() -> torch.distributed.Store:
-    """The default group's store (``distributed_c10d._get_default_store``)."""
-    return c10d._get_default_store()
-
-
-def capturable_devices() -> list[str]:
-    """The device types torch captures CUDA graphs of optimizer steps on
-    (``torch.optim.optimizer._get_capturable_supported_devices``)."""
-    devices: list[str] = _find("_get_capturable_supported_devices", ("torch.optim.optimizer",))()
-    return devices
-
-
-def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
-    """The names of a module's buffers ``state_dict`` leaves out (``Module._non_persistent_buffers_set``)."""
-    names: set[str] = module._non_persistent_buffers_set
-    return names
-
-
-def is_fsdp1_flat_param(p: Any) -> bool:
-    """FSDP1's flattened parameter (``FlatParameter``, marked ``_is_flat_param``)."""
-    return type(p).__name__ == "FlatParameter" or bool(getattr(p, "_is_flat_param", False))
-
-
-def dcp_records() -> tuple[type, type, Callable[..., Any]]:
-    """The private names a DCP ``.metadata`` pickle refers to: ``filesystem._StorageInfo``,
-    ``metadata._MEM_FORMAT_ENCODING`` and ``serialization._get_layout`` (``checkpoint/safe_read.py``
-    allows these, each under the module its pickle records, and no more)."""
-    return (
-        _find("_StorageInfo", ("torch.distributed.checkpoint.filesystem",)),
-        _find("_MEM_FORMAT_ENCODING", ("torch.distributed.checkpoint.metadata",)),
-        _find("_get_layout", ("torch.serialization",)),
-    )

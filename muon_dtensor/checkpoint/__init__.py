@@ -8,26 +8,14 @@ over object gathers (``collectives``), and the shared dtypes, errors and warning
 
 from __future__ import annotations
 
-import sys
-from types import ModuleType
-
-from . import arguments_agree, keys, save
+from ..base.moved import keep_old_paths
 from .manifest import CheckpointError, complete_steps, step_dir
 from .safetensors import export_safetensors, load_safetensors
 from .save import PendingSave, async_save_checkpoint, latest_step, load_checkpoint, save_checkpoint
 
-# The module paths before 0.6, for one release (CHANGELOG.md): the same module objects under the old
-# names, with no file at the old path (so ``import muon_dtensor.checkpoint.helpers`` still works).
-_MOVED = {"helpers": save, "layout": keys, "agree": arguments_agree}
-for _old, _new in _MOVED.items():
-    sys.modules.setdefault(f"{__name__}.{_old}", _new)
-
-
-def __getattr__(name: str) -> ModuleType:
-    if name in _MOVED:
-        return _MOVED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# The module paths before 0.6, for one release (CHANGELOG.md), with no file at the old path.
+_MOVED = {"helpers": "save", "layout": "keys", "agree": "arguments_agree"}
+keep_old_paths(__name__, {old: f"{__name__}.{new}" for old, new in _MOVED.items()})
 
 __all__ = [
     "CheckpointError",

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..base.compat import dcp_records
+from ..base.torch_dist import dcp_records
 from ._errors import CheckpointError
 
 __all__ = [

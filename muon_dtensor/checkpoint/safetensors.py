@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import non_persistent_buffers
+from ..base.torch_dist import non_persistent_buffers
 from ..optim.group_sharding import layout_of
 from ..sharding.plan.blocks import Block
 from ..sharding.plan.param_layout import local_of

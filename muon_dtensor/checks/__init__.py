@@ -2,4 +2,8 @@
 (``together``), local input checks (``validation``, the parameters' own in ``param_checks``),
 per-rank data flags (``preflight``), the agreement's digest of the settings (``agreement``), the step
 group's fingerprint (``step_scope``), summed together once per scope (``step_checks``). ``names`` and
-``warn`` re-export ``base/``'s for one release. Row ``checks/`` of docs/design.md's layer table."""
+``warn`` moved to ``base/`` (their old paths import them for one release). Row ``checks/`` of docs/design.md's layer table."""
+
+from ..base.moved import keep_old_paths
+
+keep_old_paths(__name__, {"names": "muon_dtensor.base.names", "warn": "muon_dtensor.base.warn"})  # 0.6

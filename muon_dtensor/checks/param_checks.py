@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import StridedShard, capturable_devices
+from ..base.compat import StridedShard
 from ..base.names import not_heads
+from ..base.torch_dist import capturable_devices
 from ..base.warn import warn
 from ..numerics.blockwise import BLOCK, absmax_shape, block_problem
 from ..sharding.plan.blocks import shard_blocks

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import dtensor_spec, local_tensor
+from ..base.compat import local_tensor
+from ..base.torch_dist import dtensor_spec
 from ..base.torch_ops import disable_torch_function
 from ..sharding.plan.param_layout import same_layout
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..base.compat import default_group
+from ..base.torch_dist import default_group
 from ..sharding.runtime.comm import gather_over_scope, job_failure, rank_and_size, sum_over_scopes
 
 __all__ = [

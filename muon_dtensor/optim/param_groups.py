@@ -12,7 +12,6 @@ from typing import Any
 
 from torch import nn
 
-from ..base.compat import is_fsdp1_flat_param
 from ..base.names import (
     _NOT_HEADS,
     DEFAULT_HEAD_NAMES,
@@ -21,6 +20,7 @@ from ..base.names import (
     module_of,
     strip_wrappers,
 )
+from ..base.torch_dist import is_fsdp1_flat_param
 
 __all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_QKV_NAMES", "split_params"]
 

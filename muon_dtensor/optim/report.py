@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import default_group
 from ..base.names import param_names, refusal
+from ..base.torch_dist import default_group
 from ..checks.together import raise_together
 from ..features.qk_clip import QKClipFactors
 from ..sharding.plan.memory import group_peak

@@ -1,5 +1,5 @@
 """Every private torch name the package uses goes through ``muon_dtensor/base/`` (the torch shims:
-``compat.py``, ``torch_ops.py``), so a torch release that moves one is fixed in one folder. A module
+``compat.py``, ``torch_dist.py``, ``torch_ops.py``), so a torch release that moves one is fixed in one folder. A module
 anywhere else that imports a private torch module or name, reads a private attribute of a torch
 object, or looks one up by string, fails here with its file and line."""
 

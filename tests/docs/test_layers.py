@@ -197,5 +197,6 @@ def test_a_moved_module_path_still_imports_the_same_objects(old: str) -> None:
     for name in names:
         expected = getattr(now, "StridedShard" if name == "_StridedShard" else name)
         assert getattr(was, name) is expected, f"muon_dtensor.{old}.{name}"
+    assert not PACKAGE.joinpath(*old.split(".")).with_suffix(".py").exists(), "no file at the old path"
     changelog = (PACKAGE.parent / "CHANGELOG.md").read_text().split("\n## 0.")[0]
     assert f"muon_dtensor.{old}" in changelog and f"muon_dtensor.{new}" in changelog

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 
-from ...base.compat import StridedShard, dtensor_spec, local_tensor
+from ...base.compat import StridedShard, local_tensor
+from ...base.torch_dist import dtensor_spec
 from ...numerics.blockwise import absmax_shape
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...base.compat import default_group, default_store, has_cpu_backend
+from ...base.compat import has_cpu_backend
+from ...base.torch_dist import default_group, default_store
 from ..plan.runs import segments
 
 __all__ = [

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...base.compat import default_group
+from ...base.torch_dist import default_group
 
 __all__ = ["exchange_group", "save_group"]
 

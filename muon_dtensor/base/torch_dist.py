@@ -1,0 +1,73 @@
+"""Private torch.distributed, DCP, optimizer and module names the package reads, each behind one
+function here (tests/base/test_private_torch.py refuses them anywhere outside ``base/``): the
+default group and store, a DTensor's spec, the devices torch captures optimizer steps on, a
+module's non-persistent buffers, FSDP1's flat parameter and the records of a DCP metadata pickle.
+The tensor-level ones (``torch._foreach_*``) are ``torch_ops.py``'s, the version-tolerant lookups
+``compat.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+from .compat import _find
+
+__all__ = [
+    "capturable_devices",
+    "dcp_records",
+    "default_group",
+    "default_store",
+    "dtensor_spec",
+    "is_fsdp1_flat_param",
+    "non_persistent_buffers",
+]
+
+
+def dtensor_spec(t: Any) -> Any:
+    """A DTensor's spec (``DTensor._spec``: mesh, placements, shape) or None for any other tensor.
+    FSDP2 builds a gradient with its parameter's own spec object, so ``is`` compares layouts in a
+    step's steady state without building placements."""
+    return getattr(t, "_spec", None)
+
+
+def default_group() -> torch.distributed.ProcessGroup:
+    """The default process group (``distributed_c10d._get_default_group``)."""
+    return c10d._get_default_group()
+
+
+def default_store() -> torch.distributed.Store:
+    """The default group's store (``distributed_c10d._get_default_store``)."""
+    return c10d._get_default_store()
+
+
+def capturable_devices() -> list[str]:
+    """The device types torch captures CUDA graphs of optimizer steps on
+    (``torch.optim.optimizer._get_capturable_supported_devices``)."""
+    devices: list[str] = _find("_get_capturable_supported_devices", ("torch.optim.optimizer",))()
+    return devices
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The names of a module's buffers ``state_dict`` leaves out (``Module._non_persistent_buffers_set``)."""
+    names: set[str] = module._non_persistent_buffers_set
+    return names
+
+
+def is_fsdp1_flat_param(p: Any) -> bool:
+    """FSDP1's flattened parameter (``FlatParameter``, marked ``_is_flat_param``)."""
+    return type(p).__name__ == "FlatParameter" or bool(getattr(p, "_is_flat_param", False))
+
+
+def dcp_records() -> tuple[type, type, Callable[..., Any]]:
+    """The private names a DCP ``.metadata`` pickle refers to: ``filesystem._StorageInfo``,
+    ``metadata._MEM_FORMAT_ENCODING`` and ``serialization._get_layout`` (``checkpoint/safe_read.py``
+    allows these, each under the module its pickle records, and no more)."""
+    return (
+        _find("_StorageInfo", ("torch.distributed.checkpoint.filesystem",)),
+        _find("_MEM_FORMAT_ENCODING", ("torch.distributed.checkpoint.metadata",)),
+        _find("_get_layout", ("torch.serialization",)),
+    )
