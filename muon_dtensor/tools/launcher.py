@@ -12,6 +12,12 @@ another one, so each environment gets its own (the two newest are kept). Only th
 reuses one: a launcher dies with the thread that started it (``PR_SET_PDEATHSIG``), and a launch
 from another thread, or while the launcher is busy, gets a launcher of its own for that launch.
 
+A kept launcher serves a launch only while what it imported still holds: the files of the
+muon_dtensor modules it imported are unchanged (same size and modification time) and the caller's
+umask is the one it started under (the ranks' files take it); otherwise a fresh one starts. A
+launcher runs in a session of its own, so a Ctrl-C at the terminal reaches the caller alone, which
+kills the launch's launcher, and with it every rank (``run_ranks``); a rank's stdin is /dev/null.
+
 A forked rank dies with its launcher, so killing the launcher at a deadline kills every rank.
 """
 
@@ -33,7 +39,7 @@ from .rank import worker
 
 __all__ = [
     "OURS", "PRELOAD", "Launch", "die_with_parent", "exit_code", "fork_ranks", "launch", "preload", "rank_stderr",
-    "reap",
+    "reap", "stamp", "umask",
 ]  # fmt: skip
 
 # What every rank imports anyway; the environment is the ranks' own, so an import reads the same.
@@ -98,15 +104,17 @@ def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
     return Launch(once, Path(tmp), world_size, _nothing)
 
 
-_SERVERS: dict[tuple[tuple[str, str], ...], subprocess.Popen] = {}  # newest last
+_SERVERS: dict[tuple[tuple[tuple[str, str], ...], int], subprocess.Popen] = {}  # newest last
 _BUSY: set[int] = set()  # the pids of kept launchers with a launch in flight
+_STAMPS: dict[int, list[tuple[str, int, int]]] = {}  # launcher pid -> what it imported (``stamp``)
 
 
 def _server(env: dict[str, str]) -> subprocess.Popen | None:
     """The kept launcher for ``env``, started if needed and marked busy; None while it is busy."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+    key = (tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)), umask())
     server = _SERVERS.pop(key, None)
-    if server is not None and server.poll() is not None:
+    if server is not None and (server.poll() is not None or (server.pid not in _BUSY and _stale(server))):
+        _drop(server)
         server = None
     _SERVERS[key] = server = server or _start(env)
     while len(_SERVERS) > KEPT:
@@ -118,9 +126,53 @@ def _server(env: dict[str, str]) -> subprocess.Popen | None:
 
 
 def _start(env: dict[str, str]) -> subprocess.Popen:
-    """A launcher that imports under ``env`` and serves the requests written to its input."""
+    """A launcher that imports under ``env`` and serves the requests written to its input; its first
+    line of output is its ``stamp``. In a session of its own: a terminal's Ctrl-C is the caller's."""
     command = [sys.executable, "-m", __name__, str(os.getpid())]
-    return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(
+        command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+    )
+
+
+def stamp() -> list[tuple[str, int, int]]:
+    """The file, size and modification time (ns) of every muon_dtensor module imported here."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if (name == "muon_dtensor" or name.startswith("muon_dtensor.")) and file:
+            with contextlib.suppress(OSError):
+                st = os.stat(file)
+                found.append((file, st.st_size, st.st_mtime_ns))
+    return sorted(found)
+
+
+def _stale(server: subprocess.Popen) -> bool:
+    """Whether a file ``server`` imported changed since (its ``stamp``, read once: it wrote it before
+    serving its first launch, which has ended)."""
+    if server.pid not in _STAMPS:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        _STAMPS[server.pid] = [tuple(f) for f in json.loads(line)] if line else []
+        if not line:  # it died before serving
+            return True
+    for file, size, mtime in _STAMPS[server.pid]:
+        try:
+            st = os.stat(file)
+        except OSError:
+            return True
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            return True
+    return False
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting and restoring it."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _drop(server: subprocess.Popen) -> None:
@@ -128,8 +180,11 @@ def _drop(server: subprocess.Popen) -> None:
     for key in [k for k, s in _SERVERS.items() if s is server]:
         del _SERVERS[key]
     _BUSY.discard(server.pid)
+    _STAMPS.pop(server.pid, None)
     with contextlib.suppress(OSError, ValueError):
         server.stdin.close()  # type: ignore[union-attr]
+    with contextlib.suppress(OSError, ValueError):
+        server.stdout.close()  # type: ignore[union-attr]
     try:
         server.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -179,6 +234,11 @@ def _serve(parent: int) -> None:
     them, writing each rank's exit code to ``exit<rank>`` in the launch's folder; leave at its end."""
     die_with_parent(parent)
     preload()
+    sys.stdout.write(json.dumps(stamp()) + "\n")
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the ranks' output is dropped, as before: nobody reads this pipe again
+    os.close(devnull)
     threaded = len(os.listdir("/proc/self/task")) > 1  # a thread now would be copied half-way into a fork
     for line in sys.stdin:
         spec, world_size, tmp, env, cwd = json.loads(line)
@@ -209,6 +269,7 @@ def _spawn(spec: str, world_size: int, tmp: str, env: dict[str, str], cwd: str) 
         with open(Path(tmp, f"stderr{r}"), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "muon_dtensor.tools.rank", spec, str(r), str(world_size), tmp],
+                stdin=subprocess.DEVNULL,
                 stderr=log,
                 env=env,
                 cwd=cwd,

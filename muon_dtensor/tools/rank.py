@@ -90,6 +90,7 @@ def worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
 
+    _stdin_devnull()  # not the launcher's request pipe, nor the caller's terminal
     faulthandler.enable(all_threads=True)  # a crash in native code leaves its Python stacks in the log
     torch.set_num_threads(1)
     outcome: tuple[str, Any]
@@ -109,6 +110,15 @@ def worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _stdin_devnull() -> None:
+    """This process's stdin (descriptor 0 and ``sys.stdin``, whose buffer may hold requests a launcher
+    had read ahead) becomes /dev/null."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin for its lifetime
 
 
 if __name__ == "__main__":

@@ -65,7 +65,13 @@ def run_ranks(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout
             env["CUDA_VISIBLE_DEVICES"] = ""
         logs = [open(Path(tmp, f"stderr{rank}"), "wb") for rank in range(world_size)]  # noqa: SIM115
         procs = _start(str(ref), world_size, tmp, env, logs, _forks(env))
-        hung = _wait(procs, Path(tmp), timeout)
+        try:
+            hung = _wait(procs, Path(tmp), timeout)
+        except BaseException:  # Ctrl-C (KeyboardInterrupt) or another signal's error: end the ranks
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
         for log in logs:
             log.close()
         if ref.script:  # values pickled in a rank name the script's classes as __mp_main__'s
@@ -226,6 +232,7 @@ def _start(
         subprocess.Popen(
             [sys.executable, "-m", "muon_dtensor.tools.rank", spec, str(rank), str(world_size), tmp],
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=logs[rank],
         )  # fmt: skip
