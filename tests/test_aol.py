@@ -36,8 +36,8 @@ from muon_dtensor.numerics.newton_schulz import (
     orthogonalize_flops,
     scalar_map,
 )
+from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
-from tests.ranks import run_ranks
 from tests.test_ns_presets import seeded_inputs
 
 Triple = tuple[float, float, float]

@@ -36,8 +36,8 @@ from muon_dtensor.numerics.newton_schulz import (
     uses_gram,
 )
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
+from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
-from tests.ranks import run_ranks
 from tests.test_newton_schulz import FROBENIUS_PRESETS
 from tests.test_ns_presets import BF16_DRIFTS
 

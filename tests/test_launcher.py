@@ -1,4 +1,4 @@
-"""``run_ranks``'s launcher (``muon_dtensor/tools/launcher.py``): on Linux without GPUs the ranks are
+"""``run_ranks``'s launcher (``muon_dtensor/testing/launcher.py``): on Linux without GPUs the ranks are
 forked from one process that imported torch once, which the calling process keeps for its next
 launch in the same environment. Each rank is still a process of its own, a rank that hangs dies
 with its launcher at the deadline, and the other way (one interpreter per rank, as on a GPU host)
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from muon_dtensor.tools import testing
-from muon_dtensor.tools.testing import RankError, run_ranks
+from muon_dtensor.testing import RankError, run_ranks
+from muon_dtensor.testing import runner as testing
 
 
 def who() -> tuple[int, int, int, bool, str]:
@@ -49,7 +49,7 @@ def test_ranks_are_forked_from_one_launcher_that_imported_torch() -> None:
 
 
 def test_one_interpreter_per_rank_gives_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(testing, "_forks", lambda env: False)
+    monkeypatch.setattr(testing, "FORK", False)
     ranks = run_ranks(who, 2)
     assert [r[0] for r in ranks] == [0, 1]
     assert ranks[0][2] == ranks[1][2] == os.getpid()  # each rank started by this process
@@ -123,7 +123,7 @@ def test_a_changed_umask_gets_a_fresh_launcher(tmp_path: Path) -> None:
 # the same path): the second launch's ranks must run the changed file, not the launcher's import.
 EDITED_CALLER = """
 import sys
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.testing import run_ranks
 
 def edited():
     import muon_dtensor.optim.optimizer as o
@@ -163,7 +163,7 @@ INTERRUPTED_CALLER = """
 import os, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.testing import run_ranks
 
 def sleep(folder):
     Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
@@ -172,12 +172,24 @@ def sleep(folder):
 def rank():
     return dist.get_rank()
 
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
 if __name__ == "__main__":
     run_ranks(rank, 2)  # the launcher is kept, warm
     try:
         run_ranks(sleep, 2, sys.argv[1], timeout=300)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
+    # while this process lives on (as a notebook's kernel does), its ranks must be gone
+    pids = [int(Path(sys.argv[1], f"pid{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("running" if any(alive(pid) for pid in pids) else "ended", flush=True)
     time.sleep(3)  # a launcher that died late would write its traceback meanwhile
 """
 
@@ -200,11 +212,8 @@ def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path, group: boo
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert (out, err) == ("interrupted\n", ""), (out, err)
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids), "an interrupted rank runs on"
+    assert (out, err) == ("interrupted\nended\n", ""), (out, err)
+    assert not any(_alive(pid) for pid in pids), "an interrupted rank outlived its caller"
 
 
 def _wait_for_pids(folder: Path, proc: subprocess.Popen) -> list[int]:

@@ -2,7 +2,7 @@
 from its own layer or lower ones (function-level imports included), with no import cycle:
 
     numerics <- sharding/plan <- sharding/runtime <- checks <- features <- optim
-             <- checkpoint <- integrations <- tools <- demo
+             <- checkpoint <- integrations <- testing <- tools <- demo
 
 ``planning/`` stands beside them: it prices the math and the plan and never talks, and the optimizer
 reaches it only through ``optim/policy.py``, where the ``"auto"`` options are priced. A new module's
@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "muon_dtensor"
 # Lowest first. The package's own __init__ and __main__ sit above every layer.
 LAYERS = [
     "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",
-    "checkpoint", "integrations", "tools", "demo",
+    "checkpoint", "integrations", "testing", "tools", "demo",
 ]  # fmt: skip
 PLANNING = "planning"
 TOP = len(LAYERS)

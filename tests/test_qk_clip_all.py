@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from muon_dtensor import QKClipFactors, qk_clip_, qk_clip_all_
 from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 from tests.test_qk_clip import QK, _llama
 
 TIMEOUT = 120.0

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import build
-from tests.ranks import run_ranks
 from tests.test_torchtitan import (
     SAVE_AT,
     checkpointer,
@@ -44,7 +44,7 @@ def test_a_helpers_checkpoint_loads_in_torchtitans_container(tmp_path: Path) -> 
         assert r["entries"] == 5 * 2 + 7 * 4, r["entries"]
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def titan_to_helpers(folder: str) -> dict[str, Any]:
