@@ -2,7 +2,8 @@
 ``pytest -m "not slow"`` is the fast loop (no demo runs, no fresh-process launches, samples of the
 exhaustive checks); ``-m integration`` selects what runs transformers/accelerate, Lightning or torchtitan.
 
-The pools of rank processes (tests/harness/ranks.py) stop when the session ends; the runs that tests read
+The pools of rank processes (tests/harness/ranks.py) stop where the readers of the background jobs
+begin and when the session ends; the runs that tests read
 (the demo runs, ``demo_*`` fixtures, and the jobs other modules register: tests/harness/background.py) run
 once per session, in the background from the end of collection, one after another, and only those
 a selected test reads; the tests that read them run last, so the runs overlap the rest of the
@@ -61,9 +62,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     reads = {item: set(getattr(item, "fixturenames", ())) & background.JOBS.keys() for item in items}
     if any(reads.values()):
         items.sort(key=lambda item: bool(reads[item]))  # stable: the readers last, in their order
+        _FIRST_READER[:] = [next(item.nodeid for item in items if reads[item])]
         names = list(dict.fromkeys(name for item in items for name in sorted(reads[item])))
         if not config.option.collectonly:
             background.start(names)
+
+
+_FIRST_READER: list[str] = []  # the node id of the first test that reads a background job
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Stop the rank pools where the readers of the background jobs begin: the readers mostly wait
+    for their jobs, while an idle pool's workers keep polling their gloo groups (tests/README.md);
+    a reader that needs a pool starts one."""
+    if _FIRST_READER and item.nodeid == _FIRST_READER[0]:
+        ranks.shutdown()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
