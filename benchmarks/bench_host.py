@@ -354,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
     """The L and 2L rows at every world size, with ops added per layer."""
     from benchmarks import bench_host
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     depth: list[dict[str, Any]] = []
     for n in sizes:
@@ -370,7 +370,7 @@ def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]
 def run_many(args: argparse.Namespace, left: float) -> dict[str, Any]:
     """The many-matrices case in ``left`` seconds: matrices picked, probe seconds, rows."""
     from benchmarks import bench_host
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     ranks = run_ranks(bench_host.rank_many, 2, args.many_layers, left, args.many_steps, args.warmup,
                       timeout=args.timeout)  # fmt: skip

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     from benchmarks import bench_hsdp
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     shapes = transformer_shapes(args.layers, args.width)
     load = wait_for_quiet(args.wait_quiet)

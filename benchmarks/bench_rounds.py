@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import set_shapes, system_info  # noqa: E402
 from muon_dtensor import Muon  # noqa: E402
-from muon_dtensor.tools.testing import run_ranks  # noqa: E402
+from muon_dtensor.testing import run_ranks  # noqa: E402
 
 CAPS: list[int | None] = [None, 16 << 20, 4 << 20, 1 << 20]
 

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     from benchmarks import bench_split
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     w, ns_dtype, cpu = sizes(args.seconds)
     load = wait_for_quiet(args.wait_quiet)

@@ -221,10 +221,10 @@ def rank_contenders(args: argparse.Namespace) -> dict[str, Any]:
 
 def spawn_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run ``world_size`` fresh rank processes (gloo, ``file://`` init, one thread each) through
-    ``muon_dtensor.tools.testing.run_ranks``; each rank's result dict, in rank order."""
+    ``muon_dtensor.testing.run_ranks``; each rank's result dict, in rank order."""
     # run_ranks imports the function by module name, so take it from the importable module.
     from benchmarks import bench_step
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     return run_ranks(bench_step.rank_contenders, args.world_size, args, timeout=args.timeout)
 

@@ -8,7 +8,7 @@ Measures, each with one torch thread as the optimizer runs here:
    tensors, counting the bytes the model counts for them (``Implementation``: 88 per element);
 3. the host overhead of one eager op: a ``muon_dtensor.Muon`` step over many tiny matrices, divided
    by the ops the model counts for it (so it includes Python per matrix, not only dispatch);
-4. gloo all-to-all between 2 local ranks (``muon_dtensor.tools.testing.run_ranks``): latency and bandwidth fitted over
+4. gloo all-to-all between 2 local ranks (``muon_dtensor.testing.run_ranks``): latency and bandwidth fitted over
    three message sizes.
 
 Then it times ``muon_dtensor.Muon(mode="owner")`` on ``Shard(0)`` DTensors at 1 and 2 ranks for the
@@ -167,7 +167,7 @@ def step_rank(set_name: str, warmup: int, steps: int) -> list[float]:
 def calibrate(sets: list[str]) -> tuple[Hardware, dict[str, Any]]:
     """Run the microbenchmarks and fit ``Hardware``; the raw measurements too."""
     from benchmarks import calibrate as me  # run_ranks imports rank functions by module name
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     torch.set_num_threads(1)
     shapes = [s for name in sets for s in set_shapes(name)]
@@ -191,7 +191,7 @@ def calibrate(sets: list[str]) -> tuple[Hardware, dict[str, Any]]:
 def compare(hw: Hardware, sets: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measured and predicted owner steps at 1 and 2 ranks for each set."""
     from benchmarks import calibrate as me
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     rows = []
     for name in sets:

@@ -2,8 +2,9 @@
 ``pytest -m "not slow"`` is the fast loop (no demo runs, no fresh-process launches, samples of the
 exhaustive checks); ``-m integration`` selects what runs transformers/accelerate, Lightning or torchtitan.
 
-The pools of rank processes (tests/ranks.py) stop when the session ends; the runs that tests read
-(the demo runs, ``demo_*`` fixtures, and the jobs other modules register: tests/background.py) run
+The pools of rank processes (tests/harness/ranks.py) stop where the readers of the background jobs
+begin and when the session ends; the runs that tests read
+(the demo runs, ``demo_*`` fixtures, and the jobs other modules register: tests/harness/background.py) run
 once per session, in the background from the end of collection, one after another, and only those
 a selected test reads; the tests that read them run last, so the runs overlap the rest of the
 session; a ``sample_of`` test gives way to its slow test."""
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import background, ranks
+from tests.harness import background, ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT = 600  # seconds per demo run; generous: it shares the 2 cores with the rest of the session
@@ -40,8 +41,8 @@ DEMOS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread in the session's own process, as every rank has (tests/ranks.py,
-    ``tools.testing``): the tests' matrices are small, and the process shares the cores with the rank
+    """One torch thread in the session's own process, as every rank has (tests/harness/ranks.py,
+    ``muon_dtensor.testing``): the tests' matrices are small, and the process shares the cores with the rank
     pools, the background demo runs and subprocesses, where a second BLAS thread mostly waits for a
     core (test_gap_to_torch_optim_muon took 115 s on 2 busy cores with two threads, 2.7 s with one)."""
     torch.set_num_threads(1)
@@ -56,14 +57,26 @@ def _rank_pools() -> Iterator[None]:
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect samples whose slow test runs too; move the tests that read a background job (a demo
-    run, an example's launches: tests/background.py) to the end and start those jobs."""
+    run, an example's launches: tests/harness/background.py) to the end and start those jobs."""
     _deselect_samples(config, items)
     reads = {item: set(getattr(item, "fixturenames", ())) & background.JOBS.keys() for item in items}
     if any(reads.values()):
         items.sort(key=lambda item: bool(reads[item]))  # stable: the readers last, in their order
+        _FIRST_READER[:] = [next(item.nodeid for item in items if reads[item])]
         names = list(dict.fromkeys(name for item in items for name in sorted(reads[item])))
         if not config.option.collectonly:
             background.start(names)
+
+
+_FIRST_READER: list[str] = []  # the node id of the first test that reads a background job
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Stop the rank pools where the readers of the background jobs begin: the readers mostly wait
+    for their jobs, while an idle pool's workers keep polling their gloo groups (tests/README.md);
+    a reader that needs a pool starts one."""
+    if _FIRST_READER and item.nodeid == _FIRST_READER[0]:
+        ranks.shutdown()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

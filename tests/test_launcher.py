@@ -1,4 +1,4 @@
-"""``run_ranks``'s launcher (``muon_dtensor/tools/launcher.py``): on Linux without GPUs the ranks are
+"""``run_ranks``'s launcher (``muon_dtensor/testing/launcher.py``): on Linux without GPUs the ranks are
 forked from one process that imported torch once, which the calling process keeps for its next
 launch in the same environment. Each rank is still a process of its own, a rank that hangs dies
 with its launcher at the deadline, and the other way (one interpreter per rank, as on a GPU host)
@@ -6,7 +6,10 @@ gives the same results."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from muon_dtensor.tools import testing
-from muon_dtensor.tools.testing import RankError, run_ranks
+from muon_dtensor.testing import RankError, run_ranks
+from muon_dtensor.testing import runner as testing
 
 
 def who() -> tuple[int, int, int, bool, str]:
@@ -46,7 +49,7 @@ def test_ranks_are_forked_from_one_launcher_that_imported_torch() -> None:
 
 
 def test_one_interpreter_per_rank_gives_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(testing, "_forks", lambda env: False)
+    monkeypatch.setattr(testing, "FORK", False)
     ranks = run_ranks(who, 2)
     assert [r[0] for r in ranks] == [0, 1]
     assert ranks[0][2] == ranks[1][2] == os.getpid()  # each rank started by this process
@@ -85,3 +88,145 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def stdin_of_rank() -> tuple[str, str]:
+    """What this rank's stdin is, and what reading it to the end gives."""
+    return os.readlink("/proc/self/fd/0"), sys.stdin.read()
+
+
+def file_mode(folder: str) -> int:
+    path = Path(folder, f"made{dist.get_rank()}")
+    path.write_text("x")
+    return path.stat().st_mode & 0o777
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_a_ranks_stdin_is_dev_null() -> None:
+    run_ranks(who, 2)  # a kept launcher, whose request pipe a rank must not read
+    assert run_ranks(stdin_of_rank, 2, timeout=30) == [("/dev/null", "")] * 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_a_changed_umask_gets_a_fresh_launcher(tmp_path: Path) -> None:
+    first = run_ranks(who, 2)
+    old = os.umask(0o077)
+    try:
+        assert run_ranks(file_mode, 2, str(tmp_path)) == [0o600, 0o600]  # the caller's umask, not 0o644
+        assert run_ranks(who, 2)[0][2] != first[0][2]
+    finally:
+        os.umask(old)
+    assert run_ranks(who, 2)[0][2] == first[0][2]  # the launcher of the first umask is kept
+
+
+# A caller whose copy of muon_dtensor changes between two launches (an edit, another checkout on
+# the same path): the second launch's ranks must run the changed file, not the launcher's import.
+EDITED_CALLER = """
+import sys
+from muon_dtensor.testing import run_ranks
+
+def edited():
+    import muon_dtensor.optim.optimizer as o
+    return getattr(o, "EDITED_FOR_THE_TEST", None)
+
+if __name__ == "__main__":
+    first = run_ranks(edited, 2)
+    with open(sys.argv[1], "a") as f:
+        f.write("\\nEDITED_FOR_THE_TEST = 1\\n")
+    print(first, run_ranks(edited, 2))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_a_changed_library_file_gets_a_fresh_launcher(tmp_path: Path) -> None:
+    import shutil
+
+    import muon_dtensor
+
+    copy = tmp_path / "muon_dtensor"
+    shutil.copytree(Path(muon_dtensor.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "caller.py").write_text(EDITED_CALLER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    target = copy / "optim" / "optimizer.py"
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "caller.py"), str(target)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[None,", "None]", "[1,", "1]"], out.stdout
+
+
+# A caller interrupted by Ctrl-C during a launch: the terminal sends SIGINT to its foreground process
+# group (``group``), a notebook's interrupt to the caller alone. Either way the ranks end, and nothing
+# but the caller's own output reaches its stderr.
+INTERRUPTED_CALLER = """
+import os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from muon_dtensor.testing import run_ranks
+
+def sleep(folder):
+    Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+def rank():
+    return dist.get_rank()
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+if __name__ == "__main__":
+    run_ranks(rank, 2)  # the launcher is kept, warm
+    try:
+        run_ranks(sleep, 2, sys.argv[1], timeout=300)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    # while this process lives on (as a notebook's kernel does), its ranks must be gone
+    pids = [int(Path(sys.argv[1], f"pid{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("running" if any(alive(pid) for pid in pids) else "ended", flush=True)
+    time.sleep(3)  # a launcher that died late would write its traceback meanwhile
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+@pytest.mark.parametrize("group", [True, False], ids=["terminal", "caller_only"])
+def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path, group: bool) -> None:
+    (tmp_path / "caller.py").write_text(INTERRUPTED_CALLER)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "caller.py"), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        pids = _wait_for_pids(tmp_path, proc)
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (out, err) == ("interrupted\nended\n", ""), (out, err)
+    assert not any(_alive(pid) for pid in pids), "an interrupted rank outlived its caller"
+
+
+def _wait_for_pids(folder: Path, proc: subprocess.Popen) -> list[int]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            pids = [int((folder / f"pid{r}").read_text()) for r in range(2)]
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        return pids
+    raise AssertionError(f"the ranks never started: {proc.communicate(timeout=10)}")
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "gone")

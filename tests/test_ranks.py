@@ -1,4 +1,4 @@
-"""The pool of rank processes (tests/ranks.py) keeps every multi-rank test able to fail.
+"""The pool of rank processes (tests/harness/ranks.py) keeps every multi-rank test able to fail.
 
 A pooled worker outlives the call, so a rank that raised could leave the others waiting in a
 collective, and a stuck pool would turn every later test into a timeout. These tests pin the rules:
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import GRACE, RankError, run_ranks
+from tests.harness.ranks import GRACE, RankError, run_ranks
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_every_task_starts_from_the_same_rng_state() -> None:
     assert torch.equal(first, expected) and torch.equal(second, expected)
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def pid() -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from muon_dtensor.checkpoint.manifest import step_dir
-from muon_dtensor.tools.testing import RankError, run_ranks
+from muon_dtensor.testing import RankError, run_ranks
 
 from . import qk_clip, report
 from .cpu import CpuProbe, probe

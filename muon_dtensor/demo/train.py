@@ -1,6 +1,6 @@
 """The demo's rank function: train a TinyLM, save a checkpoint, crash, resume, on any world size.
 
-``train(spec)`` runs on every rank (``muon_dtensor.tools.testing.run_ranks``). Two sessions share the loop:
+``train(spec)`` runs on every rank (``muon_dtensor.testing.run_ranks``). Two sessions share the loop:
 ``ShardedSession`` (FSDP2 + ``muon_dtensor.Muon`` + ``save_checkpoint``) and the round-robin double
 (``round_robin.RoundRobinSession``).
 

@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from .rank import FunctionRef, resolve
+from ..testing.rank import FunctionRef, resolve
+from ..testing.runner import check_launch, function_ref, run_ranks
 from .resume_report import compare
-from .testing import check_launch, function_ref, run_ranks
 
 __all__ = ["PROFILES", "loss_scale", "micro_batches_for", "run_resume_check"]
 

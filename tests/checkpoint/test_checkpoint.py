@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from muon_dtensor.tools.testing import run_ranks as run_fresh
+from muon_dtensor.testing import run_ranks as run_fresh
+from tests.harness.ranks import RankError, run_ranks
 from tests.models import Net, build, fsdp, full, model_grads, step_together
-from tests.ranks import RankError, run_ranks
 
 TOTAL, SPLIT = 5, 2
 RANKS = {"fsdp1": 1, "fsdp2": 2, "fsdp4": 4, "hsdp": 4}
@@ -154,7 +154,7 @@ def test_checkpoint_at_step_zero(tmp_path: Path) -> None:
         assert set(opt.state[p]) == set(fresh_opt.state[q])
 
 
-# Rank functions (run by tests.ranks in every rank of the pool; crash_during_save in fresh ranks).
+# Rank functions (run by tests.harness.ranks in every rank of the pool; crash_during_save in fresh ranks).
 
 
 def _mesh_shape(layout: str) -> tuple[int, ...]:

@@ -4,9 +4,9 @@ ordered otherwise. Every rank raises the same error within the call's deadline (
 used to wait forever), the root keeps the previous complete checkpoint and nothing half-published,
 and a refused load leaves the model and the optimizer untouched.
 
-Disk faults are simulated in fresh processes (``muon_dtensor.tools.testing.run_ranks``) by metering
+Disk faults are simulated in fresh processes (``muon_dtensor.testing.run_ranks``) by metering
 this process's writes under the checkpoint root (``_Disk``), so the tests need no mount or root
-rights; the rest runs in the pooled ranks of ``tests.ranks``.
+rights; the rest runs in the pooled ranks of ``tests.harness.ranks``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from torch import nn
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checks.together import raise_together
-from muon_dtensor.tools.testing import run_ranks as run_fresh
+from muon_dtensor.testing import run_ranks as run_fresh
+from tests.harness.ranks import run_ranks
 from tests.models import build, full, model_grads, step_together
-from tests.ranks import run_ranks
 
 TIMEOUT = 90.0  # seconds per call: fresh processes start in a few; a hang is what this catches
 SAMPLE = 4  # faults drawn for the fast tier's full-disk test, besides the first and the last

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.pipeline import Pipeline, differences, reference_train, shard, snapshot, stack
-from tests.ranks import run_ranks
 from tests.stage_layouts import build, cut, train
 
 TIMEOUT = 120.0  # one 4-rank call of several layouts on 2 busy cores takes about 20 s
@@ -104,7 +104,7 @@ def _check(results: list[dict[str, Snapshot]]) -> None:
         assert differences(r["final"], final) == [], f"rank {rank}: the resumed step differs"
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _resumed(layout: str, folder: Path) -> dict[str, Snapshot]:

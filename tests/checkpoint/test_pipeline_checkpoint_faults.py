@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
 import muon_dtensor.checkpoint.save as helpers
-from muon_dtensor.tools.testing import RankError
-from muon_dtensor.tools.testing import run_ranks as run_fresh
+from muon_dtensor.testing import RankError
+from muon_dtensor.testing import run_ranks as run_fresh
+from tests.harness.ranks import run_ranks
 from tests.pipeline import differences, snapshot
-from tests.ranks import run_ranks
 from tests.stage_layouts import build, train
 
 TIMEOUT = 120.0
@@ -48,7 +48,7 @@ def test_a_stage_rank_that_dies_mid_save_publishes_nothing(tmp_path: Path) -> No
     assert not list(tmp_path.glob(".tmp_step_*"))  # a surviving rank 0 removed the failed save
 
 
-# Rank functions (run by tests.ranks in every rank of the pool; die_mid_save in fresh ranks).
+# Rank functions (run by tests.harness.ranks in every rank of the pool; die_mid_save in fresh ranks).
 
 
 def _load_outcome(folder: Path) -> tuple[str, str, bool]:

@@ -22,7 +22,7 @@ from torch import nn
 import muon_dtensor.checkpoint.save as helpers
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from muon_dtensor.checkpoint.publish import claim, rename_new
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 
 def _linear(seed: int) -> nn.Linear:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from muon_dtensor import Muon
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 Named = list[tuple[str, nn.Parameter]]
 

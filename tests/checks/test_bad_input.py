@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from muon_dtensor import Muon
+from tests.harness.ranks import RankError, run_ranks
 from tests.models import dt, full
-from tests.ranks import RankError, run_ranks
 
 CASES = [
     ("grad_on_some_ranks", "RuntimeError", r"'blocks.1.w' has a gradient on 1 of 2 rank"),
@@ -72,7 +72,7 @@ def test_parameter_without_gradient_anywhere_is_skipped(outcomes: Outcomes) -> N
     assert _outcome(outcomes, "no_grad_anywhere_is_skipped") == [("none", True), ("none", True)]
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _mesh(shape: tuple[int, ...] | None = None) -> DeviceMesh:

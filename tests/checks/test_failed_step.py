@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.testing import run_ranks
 
 BOUND_S = 10.0
 _FAIL = {"now": False}

@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
-from tests import background
+from tests.harness import background
+from tests.harness.ranks import run_ranks
 from tests.models import build
-from tests.ranks import run_ranks
 
 BOUND_S = 10.0  # seconds a case may take on any rank: a rank left waiting would take the call's timeout
 DEFAULT_COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -294,9 +294,9 @@ def test_one_rank_differs_on_two_ranks(tmp_path: Path) -> None:
 @background.job("three_ranks_differ")
 def _three_ranks(folder: Path) -> Path:
     """The table on 3 fresh ranks, launched by a process of their own beside the session's tests
-    (tests/background.py); their results saved to ``folder / "ranks.json"``."""
+    (tests/harness/background.py); their results saved to ``folder / "ranks.json"``."""
     code = (
-        "import json, sys; from muon_dtensor.tools.testing import run_ranks; "
+        "import json, sys; from muon_dtensor.testing import run_ranks; "
         "from tests.checks.test_one_rank_differs import ROWS, one_rank_differs; "
         f"out = run_ranks(one_rank_differs, 3, {str(folder)!r}, ROWS, timeout=300); "
         f"open({str(folder / 'ranks.json')!r}, 'w').write(json.dumps(out))"

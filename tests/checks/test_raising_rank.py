@@ -6,9 +6,9 @@ blocks in the exchange; rank 1 catches its error and stays alive until every pee
 reported (or a deadline), as a rank whose training loop logs an error and lingers would.
 
 The failure is recorded in the job's store for the rest of the job. On 3 ranks the check runs on the
-session's pool (tests/ranks.py), which retires a pool after such a failure: the 3-rank pool that
+session's pool (tests/harness/ranks.py), which retires a pool after such a failure: the 3-rank pool that
 test_one_rank_differs started is reused, not started again. On 4 ranks it runs in fresh processes
-(the launcher's, ``muon_dtensor.tools.testing.run_ranks``, tested here too): retiring the 4-rank
+(the launcher's, ``muon_dtensor.testing.run_ranks``, tested here too): retiring the 4-rank
 pool would only make the next 4-rank test start another.
 """
 
@@ -27,10 +27,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from muon_dtensor import Muon
+from muon_dtensor import Muon, testing
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
-from muon_dtensor.tools import testing
-from tests import ranks
+from tests.harness import ranks
 from tests.models import dt
 
 BOUND_S = 20.0  # what the peers may take; they raise about one polling interval after the failure

@@ -4,7 +4,7 @@ resumes exactly from the last complete checkpoint.
 The failing run is fresh processes (the launcher's, not the pool): rank 1 SIGKILLs itself inside
 the step's first all-to-all, after rank 0 has entered it. Under gloo the survivor sees the closed
 connection and raises; the bound in general is the process group's timeout (docs/unsupported.md).
-The relaunch runs on the session's pooled ranks (tests/ranks.py): processes that took no part in
+The relaunch runs on the session's pooled ranks (tests/harness/ranks.py): processes that took no part in
 the failed run, as a relaunch's are, without the seconds of a fresh start.
 """
 
@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 import muon_dtensor.sharding.runtime.exchange as exchange
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
-from muon_dtensor.tools.testing import RankError, run_ranks
-from tests import ranks
+from muon_dtensor.testing import RankError, run_ranks
+from tests.harness import ranks
 from tests.models import dt
 
 SAVED, TOTAL = 2, 5

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from muon_dtensor import Muon
 from muon_dtensor.checks.step_scope import _SEEDS, PRIME, _term, agreed, describe
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_step_group_of_another_type_is_refused_with_the_fix() -> None:
         Muon([torch.nn.Parameter(torch.ones(2, 2))], step_group="world")  # type: ignore[arg-type]
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def lacking_mesh() -> tuple[str, str]:

@@ -107,7 +107,7 @@ def _session_dtypes(ns_dtype: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
 def test_demo_sessions_use_the_chosen_dtype(ns_dtype: str) -> None:
-    from tests.ranks import run_ranks
+    from tests.harness.ranks import run_ranks
 
     groups, theirs = run_ranks(_session_dtypes, 1, ns_dtype)[0]
     assert groups == [ns_dtype] and theirs == f"torch.{ns_dtype}"

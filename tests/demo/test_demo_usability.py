@@ -14,7 +14,7 @@ import torch
 
 from muon_dtensor.demo import report, run
 from muon_dtensor.demo.parallel import demo_shape, layout_problem
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds for one `python -m muon_dtensor demo` that exits before starting ranks

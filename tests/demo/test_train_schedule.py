@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180.0  # seconds per run; 2 shared cores

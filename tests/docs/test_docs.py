@@ -238,7 +238,7 @@ def test_api_md_covers_the_public_packages() -> None:
         "muon_dtensor.planning.hardware",
         "muon_dtensor.planning.cli",
         "muon_dtensor.demo",
-        "muon_dtensor.tools.testing",
+        "muon_dtensor.testing",
     ):
         assert module in covered, f"docs/api.md has no section for {module}"
 

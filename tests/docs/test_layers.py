@@ -2,7 +2,7 @@
 from its own layer or lower ones (function-level imports included), with no import cycle:
 
     base <- numerics <- sharding/plan <- sharding/runtime <- checks <- features <- optim
-         <- checkpoint <- integrations <- tools <- demo
+         <- checkpoint <- integrations <- testing <- tools <- demo
 
 ``base/`` is the floor: the torch shims every private torch name goes through
 (tests/base/test_private_torch.py), what a parameter's name says, and warnings at the user's line.
@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "muon_dtensor"
 # Lowest first. The package's own __init__ and __main__ sit above every layer.
 LAYERS = [
     "base", "numerics", "sharding.plan", "sharding.runtime", "checks", "features", "optim",
-    "checkpoint", "integrations", "tools", "demo",
+    "checkpoint", "integrations", "testing", "tools", "demo",
 ]  # fmt: skip
 PLANNING = "planning"
 TOP = len(LAYERS)

@@ -4,8 +4,8 @@ resume with the stages merged (FSDP2, one Muon, no pipeline) and 4 ranks resume 
 finishes at step STEPS with the weights of an uninterrupted 4-rank run, bit for bit (the example
 prints a sha256 over every parameter, and the final loss in full) and the same logged loss at every
 step. The four launches run once, two at a time, in the background of the session
-(tests/background.py): the uninterrupted one by torchrun, as the example's docstring runs it, the
-others by ``tests/forkrun.py`` (torchrun's environment, the ranks forked from one process that
+(tests/harness/background.py): the uninterrupted one by torchrun, as the example's docstring runs it, the
+others by ``tests/harness/forkrun.py`` (torchrun's environment, the ranks forked from one process that
 imported torch once: no agent and no interpreter per rank)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline.py"
@@ -50,12 +50,12 @@ class Run:
 
 def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str, forked: bool = True) -> Run:
     """One launch in its own process group (killed whole on a hang); its output, exit code, time.
-    ``forked``: by tests/forkrun.py, torchrun's environment in ranks forked from one process;
+    ``forked``: by tests/harness/forkrun.py, torchrun's environment in ranks forked from one process;
     otherwise by torchrun itself."""
     env = background.environ(OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if forked:
-        command = [sys.executable, "-m", "tests.forkrun", str(ranks)]
+        command = [sys.executable, "-m", "tests.harness.forkrun", str(ranks)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     command += [str(EXAMPLE), *COMMON, "--ckpt", ckpt, *flags]
@@ -90,7 +90,7 @@ def _launch_all(tmp: Path) -> tuple[dict[str, Run], Path]:
 
 @pytest.fixture(scope="module")
 def pipeline_runs() -> tuple[dict[str, Run], Path]:
-    """``_launch_all``'s runs, launched in the background of the session (tests/background.py)."""
+    """``_launch_all``'s runs, launched in the background of the session (tests/harness/background.py)."""
     out, tmp = background.result("pipeline_runs")
     for name, run in out.items():
         print(f"{name}: exit {run.code}, {run.seconds:.1f} s")

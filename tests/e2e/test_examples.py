@@ -1,7 +1,7 @@
 """``examples/train.py`` as its docstring says to run it on two nodes: two torchrun agents that meet
 through c10d rendezvous on 127.0.0.1, one process each, gloo on CPU. A first run trains and saves,
 a second one resumes from the newest checkpoint and goes on; both export safetensors. The two runs
-happen in the background of the session (tests/background.py)."""
+happen in the background of the session (tests/harness/background.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300  # seconds per run; generous because other test suites may share the 2 cores

@@ -20,7 +20,7 @@ import pytest
 from benchmarks.gpucheck.estimate import estimate, fit_budget, full_settings
 from benchmarks.gpucheck.ns_speed import ns_config
 from muon_dtensor.numerics.newton_schulz import ns_flops, orthogonalize_flops
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -41,7 +41,7 @@ def _dry_run(out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any
 
 @pytest.fixture(scope="module")
 def gpu_check_dry_run() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """The dry run, in the background of the session (tests/background.py)."""
+    """The dry run, in the background of the session (tests/harness/background.py)."""
     return background.result("gpu_check_dry_run")
 
 

@@ -24,8 +24,8 @@ from muon_dtensor.demo.logits import record_demo_logits
 from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
 from tests.conftest import DemoRun
+from tests.harness.ranks import run_ranks
 from tests.models import dt
-from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120.0

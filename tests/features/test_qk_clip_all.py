@@ -24,7 +24,7 @@ from muon_dtensor import QKClipFactors, qk_clip_, qk_clip_all_
 from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
 from tests.features.test_qk_clip import QK, _llama
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 TIMEOUT = 120.0
 # (query heads, key heads, head_dim, hidden) of the layers clipped together: head_dim 4 throughout;

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import build, fsdp, full, model_grads, step_together
-from tests.ranks import run_ranks
 
 fsdp_utils = pytest.importorskip("accelerate.utils.fsdp_utils")
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -61,7 +61,7 @@ def test_factory_form_trains_fsdp2_on_two_ranks(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "hf-muon-fsdp2" / "checkpoint-4" / "optimizer_0" / ".metadata").is_file()
 
 
-# Rank functions (fresh processes, muon_dtensor.tools.testing).
+# Rank functions (fresh processes, muon_dtensor.testing).
 
 
 def run_block(root: str, order: list[int]) -> dict[str, Any]:

@@ -32,8 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import muon_dtensor.checkpoint as ckpt  # noqa: E402
 from muon_dtensor import Muon, split_params  # noqa: E402
 from muon_dtensor.checkpoint.safetensors import export_safetensors, load_safetensors  # noqa: E402
+from tests.harness.ranks import run_ranks  # noqa: E402
 from tests.models import full  # noqa: E402
-from tests.ranks import run_ranks  # noqa: E402
 
 TOTAL, SPLIT = 6, 3
 MICRO, MICRO_SIZE, SEQ = 2, 4, 16  # the batch: MICRO micro-batches of MICRO_SIZE sequences
@@ -64,7 +64,7 @@ def test_llama_saved_on_2_resumed_on_1_ends_where_uninterrupted_ends(tmp_path: P
         assert torch.equal(back[name], p), name
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def config() -> LlamaConfig:

@@ -15,7 +15,7 @@ accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)`
 after the resume is the momentum at the save, bit for bit, and the resumed run ends where the
 uninterrupted one ends, bit for bit.
 
-Each run is a fresh ``muon_dtensor.tools.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
+Each run is a fresh ``muon_dtensor.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
 etc. from the environment and keeps process-wide state. Skipped without transformers/accelerate.
 """
 
@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor.integrations.hf import FsdpOnCpu, MuonForTrainer
-from tests import background
+from tests.harness import background
 from tests.models import full
 
 transformers = pytest.importorskip("transformers")
@@ -50,10 +50,10 @@ Snapshot = dict[str, torch.Tensor]
 @background.job("trainer_runs")
 def _trainer_runs(folder: Path) -> tuple[Path, Path]:
     """``train_and_save`` then ``resume`` on 2 fresh ranks each, launched by a process of their own
-    beside the session's tests (tests/background.py); what the ranks return in ``folder``'s
+    beside the session's tests (tests/harness/background.py); what the ranks return in ``folder``'s
     ``runs.pt``, their checkpoints in ``folder / "ckpt"``."""
     code = (
-        "import torch; from muon_dtensor.tools.testing import run_ranks; "
+        "import torch; from muon_dtensor.testing import run_ranks; "
         "from tests.integrations.test_hf_trainer import resume, train_and_save; "
         f"root = {str(folder / 'ckpt')!r}; "
         "first = run_ranks(train_and_save, 2, root, timeout=240); "
@@ -94,7 +94,7 @@ def test_trainer_fsdp2_resumes_momentum_and_run_exactly(trainer_runs: tuple[Any,
             assert straight["losses"][-1] < straight["losses"][0], straight["losses"]
 
 
-# Rank functions (fresh processes, muon_dtensor.tools.testing).
+# Rank functions (fresh processes, muon_dtensor.testing).
 
 
 class Counting(torch.utils.data.Dataset):

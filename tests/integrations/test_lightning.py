@@ -6,7 +6,7 @@ Lightning saves a ``ModelParallelStrategy`` checkpoint through DCP and restores 
 momentum shard comes back: the run cut after epoch 1 and resumed in a fresh Trainer and module must
 restore every momentum buffer bitwise and then be its uninterrupted twin, loss for loss and bit for bit.
 
-The Trainer runs inside the pooled ranks (tests/ranks.py): with ``LOCAL_RANK`` set, Lightning's
+The Trainer runs inside the pooled ranks (tests/harness/ranks.py): with ``LOCAL_RANK`` set, Lightning's
 default cluster environment takes the processes as launched by someone else (as under torchrun) and
 uses the process group that is already there, so no process is started and no port is needed.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 L = pytest.importorskip("lightning")
 pytestmark = pytest.mark.integration

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from muon_dtensor import Muon
-from tests import background
+from tests.harness import background
 from tests.models import dt, full_state
 from tests.stage_layouts import gradient, train
 
@@ -255,7 +255,7 @@ def reference(experts: int) -> dict[str, torch.Tensor]:
 
 def titan_runs() -> dict[str, Any]:
     """Every layout in turn on this rank, in fresh processes: after a task of the pooled ranks
-    (``tests.ranks``) has parallelized, the next task's ``fully_shard`` fails ("Expected param's
+    (``tests.harness.ranks``) has parallelized, the next task's ``fully_shard`` fails ("Expected param's
     DTensor mesh to be the same mesh passed to fully_shard") on meshes torch kept from the first;
     in one process, one layout after another is fine. Per layout: placements, the state after the steps (rank 0 only), the
     matrices orthogonalized in the world (summed over ranks)."""
@@ -278,10 +278,10 @@ def titan_runs() -> dict[str, Any]:
 @background.job("titan_moe_runs")
 def _in_background(folder: Path) -> Path:
     """``titan_runs`` on 4 fresh ranks, launched by a process of their own beside the session's
-    tests (tests/background.py): its main thread keeps a launcher, so torch is imported twice, not
+    tests (tests/harness/background.py): its main thread keeps a launcher, so torch is imported twice, not
     once per rank. The ranks' results are saved to ``folder / "runs.pt"``."""
     code = (
-        "import torch; from muon_dtensor.tools.testing import run_ranks; "
+        "import torch; from muon_dtensor.testing import run_ranks; "
         "from tests.integrations.test_moe_torchtitan import titan_runs; "
         f"torch.save(run_ranks(titan_runs, 4, timeout=240), {str(folder / 'runs.pt')!r})"
     )

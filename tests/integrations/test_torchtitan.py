@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon
+from tests.harness.ranks import run_ranks
 from tests.models import Net, build, distribute_like, full, model_grads
-from tests.ranks import run_ranks
 
 needs_titan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed"

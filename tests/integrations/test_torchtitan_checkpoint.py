@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.integrations.test_torchtitan import (
     SAVE_AT,
     checkpointer,
@@ -26,7 +27,6 @@ from tests.integrations.test_torchtitan import (
     train,
 )
 from tests.models import build
-from tests.ranks import run_ranks
 
 pytestmark = [needs_titan, pytest.mark.integration]
 TIMEOUT = 180.0
@@ -44,7 +44,7 @@ def test_a_helpers_checkpoint_loads_in_torchtitans_container(tmp_path: Path) -> 
         assert r["entries"] == 5 * 2 + 7 * 4, r["entries"]
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def titan_to_helpers(folder: str) -> dict[str, Any]:

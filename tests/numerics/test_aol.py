@@ -36,9 +36,9 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
+from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
 from tests.numerics.test_ns_presets import seeded_inputs
-from tests.ranks import run_ranks
 
 Triple = tuple[float, float, float]
 

@@ -37,10 +37,10 @@ from muon_dtensor.numerics.newton_schulz import (
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
+from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
 from tests.numerics.test_newton_schulz import FROBENIUS_PRESETS
 from tests.numerics.test_ns_presets import BF16_DRIFTS
-from tests.ranks import run_ranks
 
 # The module, not the function that ``muon_dtensor`` exports under the same name.
 NS_MODULE = importlib.import_module("muon_dtensor.numerics.newton_schulz")

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import bench_host
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV, batching
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 
 @pytest.mark.parametrize(

@@ -24,10 +24,10 @@ from torch import nn
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
+from tests.harness.ranks import run_ranks
 from tests.models import build, distribute_like, full, model_grads
 from tests.optim.test_capture_safety import Allocations
 from tests.optim.test_host_sync import SyncWatch
-from tests.ranks import run_ranks
 
 STEPS = 4
 

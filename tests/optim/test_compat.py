@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import build, full
-from tests.ranks import run_ranks
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -107,7 +107,7 @@ def test_dcp_state_init_step_is_collective_safe() -> None:
         assert r["keys"] == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
 
 
-# Rank function (run by tests.ranks in every rank of the pool).
+# Rank function (run by tests.harness.ranks in every rank of the pool).
 
 
 def state_init_through_dcp() -> dict[str, Any]:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import Net
-from tests.ranks import run_ranks
 
 TIMEOUT = 120.0
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from muon_dtensor import Muon
 from muon_dtensor.numerics import newton_schulz
+from tests.harness.ranks import run_ranks
 from tests.models import dt, full, step_together
-from tests.ranks import run_ranks
 
 # Uneven rows and columns, fewer rows than ranks (3 and 1 rows at 4 ranks), tall and wide, and
 # several same-shape matrices so owners batch them.
@@ -54,7 +54,7 @@ def test_batched_path_equals_single_process(world_size: int) -> None:
             assert r["params"] == [] and r["momentum"] == [], f"rank {rank} {key}: {r}"
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def exactness_batched(steps: int = 2) -> dict[str, Any]:

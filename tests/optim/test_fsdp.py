@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import build, full, model_grads, step_together
-from tests.ranks import run_ranks
 
 
 @pytest.mark.parametrize(("world_size", "mesh_shape"), [(1, (1,)), (2, (2,)), (4, (4,)), (4, (2, 2))])
@@ -42,7 +42,7 @@ def test_dcp_resume_on_same_layout_is_bitwise(world_size: int, mesh_shape: tuple
         assert bad == [], f"rank {rank}: {bad}"
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def mismatched(model: nn.Module, opt: Muon, ref: nn.Module, ref_opt: Muon) -> list[str]:

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
+from tests.harness.ranks import run_ranks
 from tests.models import full
-from tests.ranks import run_ranks
 
 D = 4  # head_dim
 HIDDEN = 12

@@ -25,9 +25,9 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from muon_dtensor.numerics.blockwise import BLOCK, dequantize, quantize
 from muon_dtensor.optim.state import MOMENTUM, MOMENTUM_ABSMAX
+from tests.harness.ranks import run_ranks
 from tests.models import distribute_like
 from tests.named_params import AsModule, saved_and_final, snapshot, train
-from tests.ranks import run_ranks
 from tests.stage_layouts import gradient
 
 SHAPES = {"a": (10, 512), "b": (6, 512), "c": (7, 300), "norm": (512,)}

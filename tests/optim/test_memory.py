@@ -17,7 +17,7 @@ from muon_dtensor.sharding.plan.memory import round_sizes
 from muon_dtensor.sharding.plan.param_layout import local_of
 from muon_dtensor.sharding.plan.routes import build_routes
 from tests.allocations import LiveBytes
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 TIMEOUT = 180.0
 TOLERANCE = 0.10  # the bound on predicted against measured peak

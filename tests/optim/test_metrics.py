@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from muon_dtensor import Muon, qk_clip_all_
+from tests.harness.ranks import run_ranks
 from tests.models import distribute_like, full
-from tests.ranks import run_ranks
 
 SHAPES = [(12, 8), (8, 20), (12, 8)]
 LR, WD = 0.02, 0.1

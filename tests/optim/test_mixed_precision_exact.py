@@ -35,8 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import Net, fsdp, full, full_state, random_grads, step_together
-from tests.ranks import run_ranks
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 TOTAL, SAVED = 4, 2
@@ -58,7 +58,7 @@ def test_bf16_params_without_policy_step_equals_one_process() -> None:
         assert r["differ"] == [], f"rank {rank}: sharded bf16 step differs at {r['differ']}"
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _sharded(seed: int) -> nn.Module:

@@ -274,6 +274,6 @@ def _warned_on_each_rank() -> int:
 
 
 def test_a_warning_every_rank_would_print_is_printed_once_per_job() -> None:
-    from tests.ranks import run_ranks
+    from tests.harness.ranks import run_ranks
 
     assert run_ranks(_warned_on_each_rank, 2, timeout=60) == [1, 0]

@@ -19,9 +19,9 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.checkpoint.safe_read import read_metadata
+from tests.harness.ranks import run_ranks
 from tests.models import build, full, model_grads, step_together
 from tests.optim.test_exact import SHAPES, run_steps
-from tests.ranks import run_ranks
 
 TIMEOUT = 240.0
 SAVED, TOTAL = 2, 4
@@ -75,7 +75,7 @@ def test_load_into_another_dtype_converts_on_every_rank_and_warns_once(tmp_path:
         assert r["final"], "the converted run did not step"
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def sharded_vs_one_process() -> dict[str, Any]:

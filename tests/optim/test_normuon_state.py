@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.base.compat import StridedShard as _StridedShard
+from tests.harness.ranks import run_ranks
 from tests.models import build, full, model_grads, step_together
-from tests.ranks import run_ranks
 
 LR = 0.02
 KEY = "second_momentum_buffer"

@@ -32,8 +32,8 @@ import muon_dtensor.checkpoint.loading as loading
 import muon_dtensor.checkpoint.safetensors as st
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import CheckpointError, load_checkpoint, load_safetensors, save_checkpoint
+from tests.harness.ranks import run_ranks
 from tests.models import MLP, Net, fsdp, full, model_grads, shard_mlp, step_together
-from tests.ranks import run_ranks
 
 TIMEOUT = 120.0  # seconds per multi-rank call
 WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
@@ -297,7 +297,7 @@ def test_compiled_model_runs_saves_and_loads_as_the_plain_one(tmp_path: Path) ->
     assert torch.equal(again(x), plain(x)) and _equal(_states(again, again_opt), _states(plain, plain_opt))
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def switch_to_muon(root: str, source: str) -> dict[str, Any]:

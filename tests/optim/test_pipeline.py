@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from muon_dtensor import Muon, split_params
+from tests.harness.ranks import run_ranks
 from tests.models import distribute_like, full, random_grads
 from tests.pipeline import Pipeline, differences, muon, part, reference_backward, snapshot, stack
-from tests.ranks import run_ranks
 
 TIMEOUT = 90.0  # one 4-rank call on 2 busy cores takes about 10 s
 MATRICES_PER_STAGE = 2  # layers.0/1.weight on stage 0, layers.2/3.weight on stage 1
@@ -57,7 +57,7 @@ def test_owners_over_a_stage_mesh(owners: str) -> None:
         assert done == 2 * MATRICES_PER_STAGE * (1 if over_mesh[2 * stage] else 2)
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def pipeline_exactness(steps: int) -> dict[str, Any]:

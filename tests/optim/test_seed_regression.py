@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from muon_dtensor.demo.round_robin import RoundRobinMuon
+from tests.harness.ranks import run_ranks
 from tests.models import full, random_grads, step_together
-from tests.ranks import run_ranks
 
 SHAPES = [(32, 16)] * 8
 LR = 0.02
@@ -42,7 +42,7 @@ def test_round_robin_loses_momentum_and_muon_dtensor_keeps_it(tmp_path: Path) ->
     assert ours["gap"] == 0.0
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _params(sharded: bool) -> list[nn.Parameter]:

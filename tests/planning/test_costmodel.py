@@ -26,7 +26,7 @@ from muon_dtensor.planning.costmodel import (
     transformer_shapes,
 )
 from muon_dtensor.planning.links import pipeline_seconds
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIFORM = [(512, 256)] * 64  # 64 equal matrices: every rank owns the same number at N | 64

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from benchmarks import bench_host
 from muon_dtensor import Muon, split_params
 from muon_dtensor.planning.host_ops import StepShape, step_ops
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 
 def model_count(opt: Muon, batched: bool) -> dict[str, int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from muon_dtensor.__main__ import main as package_main
-from tests import background
+from tests.harness import background
 from tests.tools.test_topology import SMALL  # the same small config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 
 def _plan_job(name: str, *argv: str) -> object:
-    """``_plan(*argv)`` as a background job (tests/background.py) and its fixture ``name``."""
+    """``_plan(*argv)`` as a background job (tests/harness/background.py) and its fixture ``name``."""
     env = background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
     return background.command(name, command, cwd=ROOT, env=env, timeout=300)

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.optim.group_sharding import layout_of
+from tests.harness.ranks import run_ranks
 from tests.models import MLP, dt, model_grads, shard_mlp, step_together
-from tests.ranks import run_ranks
 
 LAYOUTS = [
     ((4,), ("tp",)),
@@ -69,7 +69,7 @@ def test_fsdp_x_tp_training_tracks_single_process() -> None:
     assert max(r["gap"] for r in results) <= 0.03
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _piece(full: torch.Tensor, block: Any) -> torch.Tensor:

@@ -19,8 +19,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
+from tests.harness.ranks import run_ranks
 from tests.named_params import AsModule, saved_and_final, snapshot, train
-from tests.ranks import run_ranks
 
 E, DIM, HIDDEN = 4, 8, 12
 SPLIT, TOTAL = 2, 3

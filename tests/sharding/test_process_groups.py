@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from muon_dtensor.sharding.runtime import groups
-from muon_dtensor.tools.testing import run_ranks
+from muon_dtensor.testing import run_ranks
 
 
 def _sum_over(group: dist.ProcessGroup) -> float:

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
+from tests.harness.ranks import run_ranks
 from tests.models import full, step_together
-from tests.ranks import run_ranks
 
 SHAPES = [(24, 40)] * 5 + [(40, 24), (7, 9)]
 
@@ -77,7 +77,7 @@ def test_split_sizes_equal_separate_matrices() -> None:
         Muon([{"params": [nn.Parameter(torch.randn(16, 12))], "split_sizes": [8, 4]}])
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _data(

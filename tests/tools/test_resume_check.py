@@ -2,9 +2,9 @@
 LambdaLR schedule): a plain loop resumes bitwise at 2 -> 2 and not at 2 -> 1, where the report names
 the gradient sum order; the micro-batch recipe makes 2 -> 1 bitwise too.
 
-The checks run on the session's pooled ranks (tests/ranks.py) and share their runs: each loop's
+The checks run on the session's pooled ranks (tests/harness/ranks.py) and share their runs: each loop's
 uninterrupted run and its save at SAVE_AT run once (``_SharedRuns``), every resume runs on its own.
-The tool's own launches (fresh processes, ``tools.testing.run_ranks``) run end to end in
+The tool's own launches (fresh processes, ``muon_dtensor.testing.run_ranks``) run end to end in
 test_resume_check_loops; that launcher is also tested by test_rank_failure, test_raising_rank and the
 demo (test_demo)."""
 
@@ -24,15 +24,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from muon_dtensor import Muon, split_params
+from muon_dtensor import Muon, split_params, testing
 from muon_dtensor.demo.data import batch, corpus, tokens
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import shard_model
-from muon_dtensor.tools import resume_check, testing
+from muon_dtensor.tools import resume_check
 from muon_dtensor.tools.resume_check import loss_scale, micro_batches_for, run_resume_check
 from muon_dtensor.tools.resume_report import GRADIENT_ENVELOPE
 from muon_dtensor.tools.resume_report import compare as _compare
-from tests import ranks
+from tests.harness import ranks
 
 CFG = ModelConfig(vocab=64, dim=32, layers=1, heads=2, seq=16)
 BATCH, N_MICRO = 8, 2  # sequences per step; the recipe's micro-batches: one per rank at 2 ranks

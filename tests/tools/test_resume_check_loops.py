@@ -15,11 +15,11 @@ from typing import Any, cast
 
 import pytest
 
+from muon_dtensor.testing.rank import resolve
+from muon_dtensor.testing.runner import MAX_LOCAL_RANKS, function_ref
 from muon_dtensor.tools import resume_check
-from muon_dtensor.tools.rank import resolve
 from muon_dtensor.tools.resume_check import run_resume_check
-from muon_dtensor.tools.testing import MAX_LOCAL_RANKS, function_ref
-from tests import background
+from tests.harness import background
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = """

@@ -1,7 +1,7 @@
 """A pool of rank processes per world size, kept for the whole pytest session.
 
 ``run_ranks(fn, world_size, *args, timeout=...)`` has the signature and the results of
-``muon_dtensor.tools.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
+``muon_dtensor.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
 every rank's return value, or raises ``RankError`` with the failing rank's traceback. The difference is
 that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, one
 launcher imports torch once and forks the workers, each joins a gloo process group once, then loops
@@ -14,12 +14,13 @@ so is a pool where a step failed inside its data path (the job's store keeps tha
 Every task starts from the same RNG state (seed 0, on every rank). Process groups that tasks create (every
 device mesh makes some) stay alive: torch's caches keep equal meshes from earlier calls (destroying the
 groups after each task made a later task get a mesh whose group was gone), so instead a pool whose
-workers hold more than MAX_THREADS threads (gloo keeps threads per group) is retired after the call. A
+workers hold more than MAX_THREADS threads (gloo keeps threads per group, each polling) is retired after the
+call. A
 worker exits when the session closes its pipe and dies with its launcher, which dies with pytest
 (PR_SET_PDEATHSIG), if killed.
 
 Tests that need fresh processes (a rank that calls ``os._exit`` on purpose, patched package internals,
-per-run environment) use ``muon_dtensor.tools.testing.run_ranks`` instead.
+per-run environment) use ``muon_dtensor.testing.run_ranks`` instead.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from muon_dtensor.tools.launcher import exit_code
-from muon_dtensor.tools.testing import RankError
+from muon_dtensor.testing import RankError
+from muon_dtensor.testing.launcher import exit_code
 
 __all__ = ["STARTS", "RankError", "run_ranks", "shutdown"]
 
 START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
 GRACE = 3.0  # seconds the other ranks get to report once one rank has failed
-MAX_THREADS = 1500  # per worker; about 6 per process group, so a few hundred device meshes
+# Per worker; about 6 per process group, so some 25 device meshes. Each live gloo group's loop thread
+# wakes every few ms, so an idle worker's CPU grows with the groups it holds: a restart (one torch
+# import) is cheaper than keeping hundreds of groups (tests/README.md, "Pool retirement").
+MAX_THREADS = 150
 
 
 # Every pool started in this session: (world size, seconds to start, the test that started it). A pool
@@ -258,7 +262,7 @@ atexit.register(shutdown)
 def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
     """The pool's launcher: import once, fork one worker per rank (its task pipe as stdin, its
     stderr to its own log), record each worker's exit code as it is reaped."""
-    from muon_dtensor.tools.launcher import fork_ranks, preload, rank_stderr, reap
+    from muon_dtensor.testing.launcher import fork_ranks, preload, rank_stderr, reap
 
     preload()
 
@@ -294,7 +298,7 @@ def _serve(folder: Path, rank: int, world_size: int) -> None:
             part.write_bytes(pickle.dumps(("error", traceback.format_exc(), _threads(), _step_failed())))
         part.rename(folder / f"result{task}.{rank}.pkl")
     sys.stderr.flush()
-    os._exit(0)  # no gloo destructor at exit (see muon_dtensor.tools.testing)
+    os._exit(0)  # no gloo destructor at exit (see muon_dtensor.testing)
 
 
 def _threads() -> int:
@@ -334,7 +338,7 @@ def _run_task(task: tuple[str, str, tuple]) -> tuple[str, Any]:
 
 
 if __name__ == "__main__":
-    from muon_dtensor.tools.launcher import die_with_parent
+    from muon_dtensor.testing.launcher import die_with_parent
 
     die_with_parent(int(os.environ["MUON_DTENSOR_POOL_PARENT"]))
     _launch(Path(sys.argv[1]), int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")])

@@ -1,4 +1,4 @@
-"""``python -m tests.forkrun N script [args...]``: what ``torchrun --standalone --nproc_per_node=N script
+"""``python -m tests.harness.forkrun N script [args...]``: what ``torchrun --standalone --nproc_per_node=N script
 args`` does for a script on one host, in one process that imports torch once and forks the N ranks.
 Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and runs the script as ``__main__`` with the script's folder first on
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from muon_dtensor.tools.launcher import fork_ranks, preload
+from muon_dtensor.testing.launcher import fork_ranks, preload
 
 GRACE = 5.0  # seconds the other ranks get once one has failed
 
