@@ -2,6 +2,7 @@
 public: ``run_ranks`` starts fresh processes (``runner.py``), on Linux without GPUs forked from a
 launcher that imported torch once (``launcher.py``, whose building blocks a fork server of one's own
 can reuse), each running ``rank.py``'s worker. Moved here from ``muon_dtensor.tools`` in 0.6.0.
+Row ``testing/`` of docs/design.md's layer table.
 
 The names load on first use: the launcher and the rank run as ``python -m`` modules of this package,
 which must not be imported before they run."""
