@@ -13,12 +13,13 @@ outputSplitSizes[0] > 0") on a rank that sends nothing but receives.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -40,7 +41,7 @@ def fake_world(request: pytest.FixtureRequest) -> Iterator[tuple[int, int]]:
         dist.destroy_process_group()
 
 
-def _local(shape: tuple[int, int], mesh: object, placements: list, fill: float = 1.0) -> DTensor:
+def _local(shape: tuple[int, int], mesh: DeviceMesh, placements: list, fill: float = 1.0) -> DTensor:
     """A DTensor holding this rank's real local shard of a ``shape`` matrix (filled with ``fill``)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -52,7 +53,7 @@ def _local(shape: tuple[int, int], mesh: object, placements: list, fill: float =
     )
 
 
-def _params(mesh: object, placements: list, shapes: list[tuple[int, int]]) -> list[nn.Parameter]:
+def _params(mesh: DeviceMesh, placements: list, shapes: list[tuple[int, int]]) -> list[Any]:
     out = []
     for shape in shapes:
         p = nn.Parameter(_local(shape, mesh, placements))
@@ -159,7 +160,7 @@ def _mixed() -> list[float]:
     full = torch.randn(8, 6, generator=gen)
     from torch.distributed.tensor import distribute_tensor
 
-    p = nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Replicate()]))
+    p: Any = nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Replicate()]))
     p.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0), Replicate()])
     opt = Muon([p], lr=0.02)
     opt.step()
@@ -176,3 +177,30 @@ def test_mixed_backends_fake_degree_one_axis() -> None:
         p.grad = torch.ones(8, 6)
         opt.step()
     assert results[0] == p.detach().flatten().tolist()  # bitwise the one-process step
+
+
+def _setup_work(rank: int, world: int, layers: int) -> tuple[int, int]:
+    """Mesh reads and view blocks cut by one set-up of ``layers`` x 3 matrices on ``world`` ranks."""
+    from muon_dtensor.sharding.plan import param_layout, views
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        params = _params(mesh, [Shard(0)], [(256, 64), (64, 256), (128, 64)] * layers)
+        reads, cuts = param_layout.MESH_READS[0], views.VIEW_BLOCK_CUTS[0]
+        Muon(params, lr=0.02).step()
+        return param_layout.MESH_READS[0] - reads, views.VIEW_BLOCK_CUTS[0] - cuts
+    finally:
+        dist.destroy_process_group()
+
+
+def test_setup_work_is_params_plus_world() -> None:
+    """Counted, not timed: a set-up reads each mesh once whatever the parameter count or world, and
+    cuts each layout's blocks once (O(world)), not once per parameter (O(params x world)). Before,
+    every parameter read ``DeviceMesh.mesh`` once per group rank and cut every rank's blocks."""
+    reads, cuts = _setup_work(7, 256, 2)
+    more_params = _setup_work(7, 256, 8)
+    more_ranks = _setup_work(7, 512, 2)
+    assert max(reads, more_params[0], more_ranks[0]) <= 1  # 0: torch handed back a mesh already read
+    assert cuts <= 3 * 256 and more_params[1] <= 3 * 256  # 4x the parameters: no more work
+    assert more_ranks[1] == 3 * 512  # 2x the world: the O(world) part only
