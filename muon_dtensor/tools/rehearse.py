@@ -205,7 +205,8 @@ def rehearse(
         metrics = opt.metrics()
         shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
         shard = gpus // hsdp
-        prediction = predict(shapes, shard, Hardware.h200(), replicas=hsdp, owners=owners)
+        hw = Hardware.h200(check_backend="gloo")  # the check on a CPU group, as "cuda:nccl,cpu:gloo"
+        prediction = predict(shapes, shard, hw, replicas=hsdp, owners=owners)
         return Rehearsal(
             matrices=len(shapes),
             local_elements=sum(p.to_local().numel() for g in opt.param_groups for p in g["params"]),
@@ -264,7 +265,7 @@ def report(args: argparse.Namespace, r: Rehearsal) -> str:
             f"shards x {args.tp} TP, rank {args.rank}, fake backend (one process; collectives move nothing)",
             f"Muon matrices: {r.matrices:,}; this rank's shard elements: {r.local_elements:,}; {ns}",
             "",
-            "| per step, this rank | measured (CPU process time) | cost model (H200) |",
+            "| per step, this rank | measured (CPU process time) | cost model (H200, check on gloo) |",
             "|---|---:|---:|",
             f"| first step (set-up and step) | {r.setup_s:.2f} s | not modelled |",
             f"| steady step, host | {r.steady_s * 1e3:.1f} ms | {p.host * 1e3:.2f} ms host of {p.total * 1e3:.1f} ms |",

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan.compat import has_cpu_backend
 from ..plan.runs import segments
+from .groups import check_groups
 
 __all__ = [
     "CommStats",
@@ -137,6 +138,8 @@ def _reduce_on_host(
     group has a CPU backend, else through the device. A copy either way: callers reduce the same
     values over several scopes."""
     target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
+    if target == "cpu":  # a ring over thousands of ranks: axis by axis over a grid instead
+        groups = [sub for g in groups for sub in check_groups(g)]
     out = values.detach()
     out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
