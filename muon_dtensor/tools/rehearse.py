@@ -37,6 +37,7 @@ from ..planning.hardware import Hardware
 from ..planning.host_ops import StepShape, step_ops
 from ..planning.inputs import GPUS, format_bytes
 from ..planning.plans import rank_memory
+from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from ..sharding.plan.compat import _StridedShard
 from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
@@ -160,14 +161,21 @@ def _top_level(event: Any) -> bool:
 
 
 def _predicted_ops(opt: Muon) -> int:
-    """``host_ops.step_ops`` of this rank's plans (the cost model's host term, CPU implementation)."""
+    """``host_ops.step_ops`` of this rank's plans (the cost model's host term, with the CPU's
+    elementwise pieces and one Newton-Schulz call per matrix)."""
     total = 0
     for entry in opt._plans.entries.values():
         for domains in entry.domains.values():
             for d in domains:
                 rank = entry.sharding.layouts[d.members[0][0]].rank
                 params = len({pos for pos, _ in d.members})
-                shape = StepShape(muon_params=params, batched=CURRENT_CPU.batched_ns)
+                local = sum(block_numel(e.blocks[rank]) for e in d.plan.entries)
+                shape = StepShape(
+                    muon_params=params,
+                    muon_buckets=max(1, -(-local // CURRENT_CPU.bucket_elements)),
+                    bucket_elements=CURRENT_CPU.bucket_elements,
+                    batched=CURRENT_CPU.batched_ns,
+                )
                 total += sum(step_ops(d.plan, rank, shape).values())
     return total
 
