@@ -71,7 +71,9 @@ def one(layout: str, world: int, layers: int, rank: int) -> dict[str, Any]:
             placements: list[Placement] = fixed or [Shard(0), Shard(0) if colwise else Shard(1)]
             local_shape, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
 
-            def local(local_shape: Any = local_shape, placements: list = placements, shape: Any = shape) -> Any:
+            def local(
+                local_shape: Any = local_shape, placements: list = placements, shape: Any = shape
+            ) -> Any:
                 t = torch.randn(local_shape, generator=gen)
                 return DTensor.from_local(
                     t, mesh, placements, shape=torch.Size(shape), stride=(shape[1], 1), run_check=False
@@ -114,9 +116,13 @@ def run_case(case: str, rank: int | None, source: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=CASES, help="layout:world:layers, layout fsdp|hsdpR|tpT")
+    parser.add_argument(
+        "--cases", nargs="+", default=CASES, help="layout:world:layers, layout fsdp|hsdpR|tpT"
+    )
     parser.add_argument("--rank", type=int, help="the rank measured (default: the last)")
-    parser.add_argument("--revision", help="a git revision of the package to measure (default: the working tree)")
+    parser.add_argument(
+        "--revision", help="a git revision of the package to measure (default: the working tree)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/fake_setup.json")
     args = parser.parse_args()
     load = load_snapshot()
@@ -124,7 +130,9 @@ def main() -> None:
         source = ROOT
         if args.revision:
             archive = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", args.revision, "muon_dtensor"], capture_output=True, check=True
+                ["git", "-C", str(ROOT), "archive", args.revision, "muon_dtensor"],
+                capture_output=True,
+                check=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             source = Path(tmp)
@@ -132,10 +140,18 @@ def main() -> None:
         for case in args.cases:
             rows.append(run_case(case, args.rank, source))
             print(json.dumps(rows[-1]), flush=True)
-    revision = args.revision or subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    result = {"system": system_info(), "load_at_start": load, "config": results_config(args), "revision": revision}
+    revision = (
+        args.revision
+        or subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    result = {
+        "system": system_info(),
+        "load_at_start": load,
+        "config": results_config(args),
+        "revision": revision,
+    }
     print("| layout | world | matrices | rank | owned | first step CPU s | steady step CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
