@@ -136,10 +136,22 @@ def main() -> None:
             ).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             source = Path(tmp)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for case in args.cases:
             rows.append(run_case(case, args.rank, source))
             print(json.dumps(rows[-1]), flush=True)
+            _write(args, load, rows)  # after each case: a long run stopped early keeps what it measured
+    _write(args, load, rows)
+    print("| layout | world | matrices | rank | owned | first step CPU s | steady step CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['world']:,} | {r['matrices']} | {r['rank']} | {r['orthogonalized']} "
+            f"| {r['first_s']} | {r['steady_s']} |"
+        )
+
+
+def _write(args: argparse.Namespace, load: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     revision = (
         args.revision
         or subprocess.run(
@@ -152,13 +164,6 @@ def main() -> None:
         "config": results_config(args),
         "revision": revision,
     }
-    print("| layout | world | matrices | rank | owned | first step CPU s | steady step CPU s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['layout']} | {r['world']:,} | {r['matrices']} | {r['rank']} | {r['orthogonalized']} "
-            f"| {r['first_s']} | {r['steady_s']} |"
-        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result | {"rows": rows}, indent=1) + "\n")
 
