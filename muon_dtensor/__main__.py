@@ -9,9 +9,10 @@ USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
 
   demo   train a small model with FSDP2 on 2 CPU ranks, crash, resume on 1 rank, compare
   plan   predict one Muon optimizer step for a model on N GPUs from the cost model;
-         plan --check CONFIG --gpus N: check its layouts and memory before launch
+         plan --check CONFIG --gpus N: check its layouts and memory before launch;
+         plan --rehearse CONFIG --gpus N --rank R: run rank R's real step on the fake backend
 
-Each takes --help (also plan --check --help)."""
+Each takes --help (also plan --check --help and plan --rehearse --help)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.topology import main as check_main  # the check before launch
 
         return check_main(rest)
+    if command == "plan" and any(a == "--rehearse" or a.startswith("--rehearse=") for a in rest):
+        from .tools.rehearse import main as rehearse_main  # one rank's real step, fake backend
+
+        return rehearse_main(rest)
     if command == "plan":
         from .planning.cli import main as plan_main
 

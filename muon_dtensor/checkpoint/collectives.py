@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..sharding.runtime.comm import gather_objects, rank_and_size
+from ..sharding.runtime.comm import gather_objects, rank_and_size, simulated
 
 __all__ = ["barrier", "broadcast_object", "gather_objects", "no_process_group", "rank_and_size", "union"]
 
@@ -23,13 +23,13 @@ def _solo(group: dist.ProcessGroup | None) -> bool:
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
-    if not _solo(group):
+    if not (_solo(group) or simulated(group)):
         dist.barrier(group=group)
 
 
 def broadcast_object(value: Any, group: dist.ProcessGroup | None) -> Any:
     """Group rank 0's ``value`` on every rank (so all ranks take the same decision)."""
-    if _solo(group):
+    if _solo(group) or simulated(group):  # the fake backend moves no object: this rank's is rank 0's
         return value
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)

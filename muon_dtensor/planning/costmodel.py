@@ -42,7 +42,7 @@ import torch
 
 from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
-from .hardware import Hardware, fit_latency_bandwidth
+from .hardware import Hardware, check_collectives, check_seconds, fit_latency_bandwidth
 from .host_ops import StepShape, step_ops
 from .links import back_links, block_numels, pipeline_seconds, to_owner_links
 from .memo import once
@@ -200,14 +200,17 @@ def _phases(
     itemsize: int,
     nodes: Sequence[int],
     algorithm: str = "standard",
+    check_ranks: int = 0,
 ) -> dict[str, float]:
-    """Device and host seconds of the pre, mid and post phases, and the exchange's parts."""
+    """Device and host seconds of the pre, mid and post phases, and the exchange's parts; the check
+    sums over ``check_ranks`` (the step's ranks; 0: the plan's group)."""
     n = plan.group_size
     comm = [_round_comm(plan, rnd, hw, itemsize, nodes) for rnd in plan.rounds]
     config = _ns_config(ns_steps, itemsize, algorithm)
     compute = [_round_compute(plan, rnd, hw, impl, config) for rnd in plan.rounds]
     sent = [sum(c[2][r] for c in comm) for r in range(n)]
-    preflight = hw.collective_latency if n > 1 else 0.0
+    preflight = check_seconds(hw, check_ranks or n) if n > 1 else 0.0
+    checks = check_collectives(hw, check_ranks or n)
     numels = [block_numels(e.blocks) for e in plan.entries]
     local = max(sum(x[r] for x in numels) for r in range(n))
     # blocks packed for the all-to-all to the owners: for the other ranks of this rank's replica
@@ -218,7 +221,7 @@ def _phases(
     return {
         "ns": _busiest_ns_flops(plan, config) / hw.matmul_flops,
         "comm": preflight + sum(c[0] + c[1] for c in comm),
-        "collectives": (2 if plan.mode == "owner" else 1) * len(plan.rounds) + 1 if n > 1 else 0,
+        "collectives": (2 if plan.mode == "owner" else 1) * len(plan.rounds) + checks if n > 1 else 0,
         "sent_mean": sum(sent) / n,
         "sent_max": max(sent),
         "preflight": preflight,
@@ -239,9 +242,10 @@ def _predict_plan(
     itemsize: int,
     nodes: Sequence[int],
     algorithm: str = "standard",
+    check_ranks: int = 0,
 ) -> tuple[float, dict[str, float]]:
     """The step's seconds on ``plan`` (group rank r on node ``nodes[r]``), and its phases."""
-    p = _phases(plan, hw, impl, ns_steps, itemsize, nodes, algorithm)
+    p = _phases(plan, hw, impl, ns_steps, itemsize, nodes, algorithm, check_ranks)
     return _total(p, hw), p
 
 
@@ -335,7 +339,8 @@ def _predict(
     else:
         plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
     nodes = [r // hw.gpus_per_node for r in range(plan.group_size)]
-    total, p = _predict_plan(plan, hw, impl, ns_steps, itemsize, nodes, ns_algorithm)
+    checked = world_size * replicas  # the check's row is summed over every rank of the step
+    total, p = _predict_plan(plan, hw, impl, ns_steps, itemsize, nodes, ns_algorithm, checked)
     if split and mode == "owner" and plan.group_size > 1:
         total, p = _with_splits(plan, p, hw, nodes, ns_steps, itemsize, ns_algorithm)
     return _prediction(mode, world_size, total, p, plan, replicas, "mesh" if across else "replica")

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..sharding.plan.grid import grid_factors, ring_hops
 from .inputs import GPUS, seconds_or_rate
 
-__all__ = ["Hardware", "fit_latency_bandwidth"]
+__all__ = ["GLOO_HOP_SECONDS", "Hardware", "check_collectives", "check_seconds", "fit_latency_bandwidth"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Hardware:
     collective_latency: float
     op_overhead: float = 0.0
     async_host: bool = True
+    check_backend: str = "nccl"  # where the step's check all-reduce runs: "nccl", or "gloo" (a CPU group)
 
     @classmethod
     def h200(cls, **overrides: Any) -> Hardware:
@@ -116,6 +118,30 @@ def fit_latency_bandwidth(pairs: Sequence[tuple[float, float]]) -> tuple[float, 
     return max(mean_t - slope * mean_b, 0.0), 1.0 / slope
 
 
+# gloo's allreduce (gloo/allreduce.cc, ``ring``) sends even a few integers twice around the ring: a
+# reduce-scatter then an allgather over at least 2 P segments, 2 (2 P - 2) sequential hops for P ranks.
+# A hop's time: the best 2-rank all-reduce over loopback (4 hops) in
+# benchmarks/results/check_allreduce.json, a quarter of 81 us; across nodes a TCP hop is no faster.
+GLOO_HOP_SECONDS = 20e-6
+
+
+def check_seconds(hw: Hardware, ranks: int) -> float:
+    """The step's check, a small sum over ``ranks`` ranks: on gloo ``grid.ring_hops`` hops of
+    ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a grid's, 508 hops
+    or 10 ms at 8,192 ranks where one ring would be 0.66 s); on NCCL one ``collective_latency`` (an
+    assumption, not measured here)."""
+    if ranks <= 1:
+        return 0.0
+    if hw.check_backend == "gloo":
+        return ring_hops(ranks) * GLOO_HOP_SECONDS
+    return hw.collective_latency
+
+
+def check_collectives(hw: Hardware, ranks: int) -> int:
+    """All-reduces of the step's check: one, or on gloo one per axis of the grid (``grid.py``)."""
+    return max(1, len(grid_factors(ranks))) if hw.check_backend == "gloo" else 1
+
+
 # ``plan``'s command-line flag -> (Hardware field, factor from the flag's unit to the field's).
 HW_FLAGS = {
     "matmul_tflops": ("matmul_flops", 1e12),
@@ -136,6 +162,12 @@ def hardware_args(p: argparse.ArgumentParser) -> None:
         cast = GPUS if field == "gpus_per_node" else seconds_or_rate(field.endswith(("flops", "bandwidth")))
         default = getattr(d, field) / unit
         g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
+    g.add_argument(
+        "--check-backend",
+        choices=("nccl", "gloo"),
+        help="where the step's check all-reduce runs: gloo (a CPU group, as 'cuda:nccl,cpu:gloo') "
+        "costs a ring's hops of 20 us, over a grid above 256 ranks; nccl a collective latency (nccl)",
+    )
 
 
 def from_flags(args: argparse.Namespace) -> Hardware:
@@ -145,4 +177,6 @@ def from_flags(args: argparse.Namespace) -> Hardware:
         for flag, (field, unit) in HW_FLAGS.items()
         if getattr(args, flag) is not None
     }
+    if getattr(args, "check_backend", None):
+        overrides["check_backend"] = args.check_backend
     return Hardware.h200(**overrides)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -102,18 +101,91 @@ def shards_of(p: DTensor, name: str) -> list[AxisShard]:
     return _shards(p, name)
 
 
-def _group_order(mesh: DeviceMesh, axes: tuple[int, ...], ranks: Sequence[int]) -> list[int]:
-    """For each group rank (``ranks``: the group's global ranks in group order), the flat
-    (row-major over ``axes``) index of its block."""
-    return [_axis_ranks(mesh, axes).index(r) for r in ranks]
+@dataclass
+class _MeshMemo:
+    """What a layout reads from one mesh, kept per mesh (``_memo``): its axis ranks per exchange
+    axes, read from ``DeviceMesh.mesh`` once (torch 2.13 rebuilds that tensor from the mesh's layout
+    on every access), each exchange group's block order, and the ordered blocks per blocks tuple. A
+    set-up then does O(world) work per mesh and layout, and O(1) per parameter."""
+
+    mesh: DeviceMesh
+    coordinate: tuple[int, ...]
+    ranks: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    orders: dict[tuple, tuple[object, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
+    ordered: dict[tuple[int, int], tuple[object, object, tuple[Block, ...], tuple[int, ...] | None]] = field(
+        default_factory=dict
+    )
 
 
-def _axis_ranks(mesh: DeviceMesh, axes: tuple[int, ...]) -> list[int]:
+_MEMOS: dict[int, _MeshMemo] = {}  # id(mesh) -> its memo (holding the mesh, so the id stays its own)
+_MEMOS_MAX = 64
+MESH_READS = [0]  # ``DeviceMesh.mesh`` reads by layouts, for tests that bound the set-up's work
+
+
+def _memo(mesh: DeviceMesh) -> _MeshMemo:
+    coordinate = tuple(mesh.get_coordinate() or ())
+    memo = _MEMOS.get(id(mesh))
+    if memo is None or memo.mesh is not mesh or memo.coordinate != coordinate:
+        if len(_MEMOS) >= _MEMOS_MAX:
+            _MEMOS.pop(next(iter(_MEMOS)))
+        memo = _MEMOS[id(mesh)] = _MeshMemo(mesh, coordinate)
+    return memo
+
+
+def _axis_ranks(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[int, ...]:
     """The global ranks that share this rank's coordinates off ``axes``, row-major over ``axes``."""
-    coord = mesh.get_coordinate()
-    assert coord is not None
-    index = [slice(None) if a in axes else coord[a] for a in range(mesh.ndim)]
-    return mesh.mesh[tuple(index)].reshape(-1).tolist()
+    memo = _memo(mesh)
+    ranks = memo.ranks.get(axes)
+    if ranks is None:
+        coord = mesh.get_coordinate()
+        assert coord is not None
+        index = [slice(None) if a in axes else coord[a] for a in range(mesh.ndim)]
+        MESH_READS[0] += 1
+        ranks = memo.ranks[axes] = tuple(mesh.mesh[tuple(index)].reshape(-1).tolist())
+    return ranks
+
+
+def _group_order(
+    mesh: DeviceMesh, axes: tuple[int, ...], group: dist.ProcessGroup | None, planned: bool
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The exchange group's global ranks in group order (``planned``: the axis ranks, sorted, as
+    ``runtime.groups`` creates the group), for each group rank the flat (row-major over ``axes``)
+    index of its block, and this rank's group rank; once per (mesh, axes, group)."""
+    memo = _memo(mesh)
+    key = (axes, id(group), planned)
+    hit = memo.orders.get(key)
+    if hit is not None and hit[0] is group:
+        return hit[1], hit[2], hit[3]
+    axis_ranks = _axis_ranks(mesh, axes)
+    ranks = tuple(sorted(axis_ranks)) if planned else tuple(dist.get_process_group_ranks(group))
+    where = {r: i for i, r in enumerate(axis_ranks)}
+    order = tuple(where[r] for r in ranks)
+    if order == tuple(range(len(order))):
+        order = _IDENTITY
+    memo.orders[key] = (group, ranks, order, ranks.index(dist.get_rank()))
+    return ranks, order, memo.orders[key][3]
+
+
+_IDENTITY: tuple[int, ...] = ()  # the order that keeps every block where it is
+
+
+def _ordered(
+    mesh: DeviceMesh, flat: tuple[Block, ...], replicas: tuple[int, ...] | None, order: tuple[int, ...]
+) -> tuple[tuple[Block, ...], tuple[int, ...] | None]:
+    """``flat`` and ``replicas`` in group order; the same tuples for every parameter of a layout (so
+    the plan's per-entry tables share them by identity), and ``flat`` itself where the group's
+    order is the mesh's."""
+    if order is _IDENTITY:
+        return flat, replicas
+    memo = _memo(mesh)
+    key = (id(flat), id(order))
+    hit = memo.ordered.get(key)
+    if hit is not None and hit[0] is flat and hit[1] is order:
+        return hit[2], hit[3]
+    blocks = tuple(flat[i] for i in order)
+    replica_of = tuple(replicas[i] for i in order) if replicas is not None else None
+    memo.ordered[key] = (flat, order, blocks, replica_of)
+    return blocks, replica_of
 
 
 def check_placements(p: Tensor, name: str) -> None:
@@ -169,14 +241,11 @@ def describe(
     replicas = None
     if across:
         flat, replicas = mesh_blocks(p.shape, tuple(mesh.shape), shards)
-    members = tuple(sorted(_axis_ranks(mesh, axes))) if planned else ()
-    if group is None and not (planned and len(members) > 1):
+    if group is None and not (planned and len(_axis_ranks(mesh, axes)) > 1):
         return ParamLayout(mesh, axes, flat, 0, None)
-    ranks = members if planned else tuple(dist.get_process_group_ranks(group))
-    order = _group_order(mesh, axes, ranks)
-    blocks = tuple(flat[i] for i in order)
-    replica_of = tuple(replicas[i] for i in order) if replicas is not None else None
-    rank = ranks.index(dist.get_rank())
+    ranks, order, rank = _group_order(mesh, axes, group, planned)
+    members = ranks if planned else ()
+    blocks, replica_of = _ordered(mesh, flat, replicas, order)
     local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
     if local_shape != expected and (p.to_local().numel() or block_numel(blocks[rank])):

@@ -201,22 +201,52 @@ def _view(
     rows_dim: int,
     name: str,
 ) -> View:
-    view_blocks: list[Block] = []
+    view_blocks = _view_blocks(shape, blocks, expert, lo, hi, rows_dim, name)
+    mine = blocks[rank]
+    local_expert = _has(mine[0], expert) if expert is not None else None
+    has_piece = expert is None or local_expert is not None
+    local_rows = _intersect(mine[rows_dim], lo, hi)[1] if has_piece else _EMPTY
+    return View((hi - lo, cols), tuple(view_blocks), LocalCut(local_expert, local_rows))
+
+
+# _view_blocks' memo: (id of a blocks tuple, shape, expert, rows) -> (the tuple, kept alive so the id
+# stays its own; every rank's block of the view). A model's matrices share a few layouts, so a set-up
+# cuts each layout's blocks once, O(ranks), and every parameter of it in O(1).
+_VIEW_BLOCKS: dict[tuple, tuple[Sequence[Block], tuple[Block, ...]]] = {}
+_VIEW_BLOCKS_MAX = 4096
+VIEW_BLOCK_CUTS = [0]  # blocks cut (one per rank per distinct layout), for tests that bound set-up work
+
+
+def _view_blocks(
+    shape: Sequence[int],
+    blocks: Sequence[Block],
+    expert: int | None,
+    lo: int,
+    hi: int,
+    rows_dim: int,
+    name: str,
+) -> tuple[Block, ...]:
+    """Every group rank's block of the view (rows ``lo:hi`` of ``expert``, if any)."""
+    key = (id(blocks), tuple(shape), expert, lo, hi, rows_dim)
+    hit = _VIEW_BLOCKS.get(key)
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    out: list[Block] = []
     for block in blocks:
         if expert is not None and _has(block[0], expert) is None:
-            view_blocks.append((_EMPTY, _EMPTY))
+            out.append((_EMPTY, _EMPTY))
             continue
         col_iv = (
             block[2]
             if expert is not None
             else (_flat_cols(block, shape, name) if len(shape) > 2 else block[1])
         )
-        view_blocks.append((_intersect(block[rows_dim], lo, hi)[0], col_iv))
-    mine = blocks[rank]
-    local_expert = _has(mine[0], expert) if expert is not None else None
-    has_piece = expert is None or local_expert is not None
-    local_rows = _intersect(mine[rows_dim], lo, hi)[1] if has_piece else _EMPTY
-    return View((hi - lo, cols), tuple(view_blocks), LocalCut(local_expert, local_rows))
+        out.append((_intersect(block[rows_dim], lo, hi)[0], col_iv))
+    VIEW_BLOCK_CUTS[0] += len(out)
+    if len(_VIEW_BLOCKS) >= _VIEW_BLOCKS_MAX:
+        _VIEW_BLOCKS.pop(next(iter(_VIEW_BLOCKS)))
+    _VIEW_BLOCKS[key] = (blocks, tuple(out))
+    return _VIEW_BLOCKS[key][1]
 
 
 def _with_lead(view: View, blocks: Sequence[Block], lead: int) -> View:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ...base.compat import has_cpu_backend
 from ...base.torch_dist import default_group, default_store
 from ..plan.runs import segments
+from .groups import check_groups
 
 __all__ = [
     "CommStats",
@@ -33,6 +34,7 @@ __all__ = [
     "pack_chunks",
     "rank_and_size",
     "releasing_peers",
+    "simulated",
     "start_all_to_all",
     "start_exchange",
     "sum_over_group",
@@ -77,6 +79,17 @@ class CommStats:
             f"CommStats(sent={self.sent}, received={self.received}, collectives={self.collectives}, "
             f"orthogonalized={self.orthogonalized}, peak_bytes={self.peak_bytes})"
         )
+
+
+def simulated(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) runs on torch's ``fake`` backend, where one process
+    plays one rank of a world of any size and collectives return at once, moving nothing. The one
+    place the package asks: on such a group a sum is the sum as if every rank held this rank's values,
+    and a gather holds this rank's value for every rank (docs/design.md, "The fake backend")."""
+    try:
+        return str(dist.get_backend(group)).lower() == "fake"
+    except (RuntimeError, ValueError):  # no process group, or a group this rank is not in
+        return False
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -126,10 +139,14 @@ def _reduce_on_host(
     group has a CPU backend, else through the device. A copy either way: callers reduce the same
     values over several scopes."""
     target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
+    if target == "cpu":  # a ring over thousands of ranks: axis by axis over a grid instead
+        groups = [sub for g in groups for sub in check_groups(g)]
     out = values.detach()
     out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
         wait_released(dist.all_reduce(out, op=op, group=group, async_op=True), out.device)
+        if op == dist.ReduceOp.SUM and simulated(group):  # every rank of it as this one (MAX is already)
+            out.mul_(dist.get_world_size(group))
     return out if out.device.type == "cpu" else out.cpu()
 
 
@@ -285,6 +302,8 @@ def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's ``value``, in group rank order, on every rank."""
     if _solo(group):
         return [value]
+    if simulated(group):  # the fake backend moves no object: every rank holds this one's
+        return [value] * dist.get_world_size(group)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
@@ -361,25 +380,48 @@ def start_exchange(
     """``start_all_to_all`` with the send buffer already packed: ``send_numels[d]`` elements of
     ``send``, in rank order, go to group rank ``d``; the returned function waits and returns the
     flat receive buffer (segments in rank order)."""
-    recv = send.new_empty(sum(recv_numels))
-    work = dist.all_to_all_single(
-        recv, send, list(recv_numels), list(send_numels), group=group, async_op=True
-    )
+    me = dist.get_rank(group)
+    wire, wire_sends, wire_recvs, pad = _padded(send, send_numels, recv_numels, group)
+    recv = send.new_empty(sum(wire_recvs))
+    work = dist.all_to_all_single(recv, wire, wire_recvs, wire_sends, group=group, async_op=True)
     item = recv.element_size()
     if stats is not None:
-        me = dist.get_rank(group)
         stats.sent += (sum(send_numels) - send_numels[me]) * item
         for dest, numel in zip(dist.get_process_group_ranks(group), send_numels):
             if numel and dest != dist.get_rank():
                 stats.sent_to[dest] = stats.sent_to.get(dest, 0) + numel * item
         stats.received += (sum(recv_numels) - recv_numels[me]) * item
         stats.collectives += 1
-        stats.hold((send.numel() + recv.numel()) * item)
+        stats.hold((send.numel() + sum(recv_numels)) * item)
 
     def finish() -> Tensor:
         wait_released(work, recv.device)
         if stats is not None:
             stats.release(send.numel() * item)  # ``send`` dies here; ``recv`` lives on in views
-        return recv
+        return recv if pad is None else _unpad(recv, pad)
 
     return finish
+
+
+def _padded(
+    send: Tensor, send_numels: Sequence[int], recv_numels: Sequence[int], group: dist.ProcessGroup
+) -> tuple[Tensor, list[int], list[int], tuple[int, int] | None]:
+    """The send buffer and counts on the wire. On the fake backend (``simulated``), which refuses
+    an empty input with a non-empty output and fills each output slot by repeating the input, a
+    rank that sends nothing but receives sends itself as many elements as its largest slot (gloo
+    and NCCL take an empty input as it is). With the padding's offset and length, else None."""
+    sends, recvs = list(send_numels), list(recv_numels)
+    if send.numel() or not sum(recvs) or not simulated(group):
+        return send, sends, recvs, None
+    me, pad = dist.get_rank(group), max(recvs)
+    sends[me] += pad
+    recvs[me] += pad
+    return send.new_zeros(pad), sends, recvs, (sum(recv_numels[: me + 1]), pad)
+
+
+def _unpad(recv: Tensor, pad: tuple[int, int]) -> Tensor:
+    """The receive buffer without the elements a rank sent itself (``_padded``)."""
+    at, length = pad
+    if at + length == recv.numel():
+        return recv[:at]
+    return torch.cat((recv[:at], recv[at + length :]))

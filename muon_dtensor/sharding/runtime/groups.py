@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...base.torch_dist import default_group
+from ..plan import grid
 
-__all__ = ["exchange_group", "save_group"]
+__all__ = ["check_groups", "exchange_group", "save_group"]
 
 # default process group -> {key: a group this rank created}; entries go when the default group does
 _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = (
@@ -74,3 +75,33 @@ def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return None
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     return _cached(("save", ranks), lambda: dist.new_group(list(ranks), backend="gloo"))
+
+
+def check_groups(group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+    """The groups a small host reduction over ``group`` runs through, in order: ``group`` itself, or
+    above ``grid.GRID_ABOVE`` ranks one subgroup per axis of a grid over its ranks (``grid.py``), so
+    the check's sum takes 4 sum(side - 1) hops of gloo's ring, not 4 (P - 1). The subgroups are
+    created on first use by their members alone (each rank its own, axis by axis): call this on
+    every rank of ``group`` at the same point, as the check's sum is."""
+    size = dist.get_world_size(group)
+    factors = grid.grid_factors(size)
+    if not factors:
+        return [group]
+    ranks = tuple(dist.get_process_group_ranks(group))
+
+    def create() -> list[dist.ProcessGroup]:
+        me = ranks.index(dist.get_rank())
+        members = [sorted(ranks[i] for i in grid.grid_axis(factors, me, a)) for a in range(len(factors))]
+        return [dist.new_group(m, use_local_synchronization=True) for m in members]
+
+    groups = _GRIDS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    hit = groups.get(id(group))
+    if hit is None or hit[0] is not group:
+        hit = groups[id(group)] = (group, create())
+    return hit[1]
+
+
+# default process group -> {id of a group: (the group, its grid's subgroups)}
+_GRIDS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, tuple[dist.ProcessGroup, list]]] = (
+    weakref.WeakKeyDictionary()
+)
