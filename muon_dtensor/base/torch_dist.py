@@ -22,8 +22,11 @@ __all__ = [
     "default_group",
     "default_store",
     "dtensor_spec",
+    "fake_store",
     "is_fsdp1_flat_param",
+    "local_shape",
     "non_persistent_buffers",
+    "process_group_count",
 ]
 
 
@@ -71,3 +74,22 @@ def dcp_records() -> tuple[type, type, Callable[..., Any]]:
         _find("_MEM_FORMAT_ENCODING", ("torch.distributed.checkpoint.metadata",)),
         _find("_get_layout", ("torch.serialization",)),
     )
+
+
+def fake_store() -> torch.distributed.Store:
+    """A store for torch's ``fake`` backend, one rank of a simulated world
+    (``torch.testing._internal.distributed.fake_pg.FakeStore``)."""
+    store: torch.distributed.Store = _find("FakeStore", ("torch.testing._internal.distributed.fake_pg",))()
+    return store
+
+
+def local_shape(shape: torch.Size, mesh: Any, placements: Any) -> tuple[int, ...]:
+    """This rank's shard shape of a global ``shape`` laid out by ``placements`` on ``mesh``
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    find = _find("compute_local_shape_and_global_offset", ("torch.distributed.tensor._utils",))
+    return tuple(find(shape, mesh, placements)[0])
+
+
+def process_group_count() -> int:
+    """How many process groups this process has created (``distributed_c10d._world.pg_map``)."""
+    return len(c10d._world.pg_map)

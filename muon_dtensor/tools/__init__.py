@@ -1,4 +1,5 @@
 """Tools for users: the resume check (``resume_check``, its report ``resume_report``) and the
-topology check, ``plan --check`` (``topology``, over the model ``configs`` it reads). ``testing``,
+topology check, ``plan --check`` (``topology``, over the model ``configs`` it reads), and the
+rehearsal, ``plan --rehearse`` (``rehearse``: one rank's real step on the fake backend). ``testing``,
 ``launcher`` and ``rank`` are the old paths of ``muon_dtensor.testing``, kept for one release. Row
 ``tools/`` of docs/design.md's layer table."""

@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..base.compat import StridedShard as _StridedShard
+from ..base.torch_dist import fake_store, local_shape, process_group_count
 from ..numerics.newton_schulz import orthogonalize
 from ..optim.optimizer import Muon
 from ..planning.cli import check_options, owner_options
@@ -39,7 +41,6 @@ from ..planning.inputs import GPUS, format_bytes
 from ..planning.plans import rank_memory
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
-from ..sharding.plan.compat import _StridedShard
 from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
 from .topology import _COLWISE, _ROWWISE, _split
 
@@ -101,10 +102,7 @@ def _placements(mesh: DeviceMesh, module: str, ndim: int) -> list[Placement]:
 
 
 def _local(shape: torch.Size, mesh: DeviceMesh, placements: list[Placement], gen: torch.Generator) -> DTensor:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-    local = torch.randn(local_shape, generator=gen) * 0.02
+    local = torch.randn(local_shape(shape, mesh, placements), generator=gen) * 0.02
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
 
@@ -127,7 +125,7 @@ def _params(model: nn.Module, mesh: DeviceMesh, head_dim: int | None) -> list[di
 
 
 def _pg_count() -> int:
-    return len(dist.distributed_c10d._world.pg_map)
+    return process_group_count()
 
 
 def _profiled_step(opt: Muon) -> tuple[int, list[tuple[str, int]]]:
@@ -189,9 +187,7 @@ def rehearse(
     shards of ``config``'s Muon matrices, step, and measure. Creates and destroys the default group."""
     if dist.is_initialized():
         raise ValueError("a process group exists already: rehearse in a process of its own")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
     try:
         before = _pg_count()
         mesh = _mesh(gpus, hsdp, tp)

@@ -94,7 +94,7 @@ def check_groups(group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
         members = [sorted(ranks[i] for i in grid.grid_axis(factors, me, a)) for a in range(len(factors))]
         return [dist.new_group(m, use_local_synchronization=True) for m in members]
 
-    groups = _GRIDS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    groups = _GRIDS.setdefault(default_group(), {})
     hit = groups.get(id(group))
     if hit is None or hit[0] is not group:
         hit = groups[id(group)] = (group, create())

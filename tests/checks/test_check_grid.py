@@ -19,7 +19,7 @@ from muon_dtensor import Muon
 from muon_dtensor.planning.hardware import GLOO_HOP_SECONDS, Hardware, check_collectives, check_seconds
 from muon_dtensor.sharding.plan import grid
 from muon_dtensor.sharding.runtime.groups import check_groups
-from tests.ranks import run_ranks
+from tests.harness.ranks import run_ranks
 
 
 def test_grid_factors() -> None:
