@@ -75,6 +75,28 @@ def test_zero_blocks_stay_zero() -> None:
     assert not dequantize(q, absmax, torch.float32).any()
 
 
+def test_huge_values_quantize_without_overflow_as_their_scaled_down_copy() -> None:
+    """127 * x overflows float32 above 2.7e36: before, blocks near 1e37 quantized to garbage."""
+    x = torch.randn(4, 2 * BLOCK + 10, generator=torch.Generator().manual_seed(5))
+    big = x * 2.0**123  # about 1e37, the largest elements 4e37; a power of two: the same levels
+    q, absmax = quantize(big)
+    q_small, absmax_small = quantize(x)
+    assert absmax.isfinite().all() and torch.equal(absmax, absmax_small * 2.0**123)
+    assert torch.equal(q, q_small)
+    back = dequantize(q, absmax, torch.float32)
+    assert torch.equal(back, dequantize(q_small, absmax_small, torch.float32) * 2.0**123)
+
+
+def test_levels_are_the_plain_formulas_bits_at_every_scale() -> None:
+    """The scaling that avoids the overflow is exact: the bits of round(x * 127 / max) wherever that
+    product is finite, for blocks far below and far above 1."""
+    x = torch.randn(6, BLOCK, generator=torch.Generator().manual_seed(6))
+    x = x * torch.tensor([1e-30, 1e-3, 0.7, 1.0, 3e5, 1e30])[:, None]
+    q, _ = quantize(x)
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    assert torch.equal(q, torch.round(x * 127.0 / absmax).to(torch.int8))
+
+
 def _one_process(dtype: torch.dtype | None, steps: int = 3) -> tuple[nn.Parameter, Muon]:
     w = nn.Parameter(torch.randn(64, 300, generator=torch.Generator().manual_seed(3)))
     opt = Muon([w], lr=0.02, momentum_dtype=dtype)
