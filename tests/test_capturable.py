@@ -154,11 +154,22 @@ def test_a_float_lr_the_group_reads_is_a_host_read_the_capturable_step_avoids() 
 
 
 def test_refused_where_torch_cannot_capture_naming_the_parameter() -> None:
+    """At the first step, whose local checks fail on every rank together: at construction a rank
+    that alone passed capturable=True raised alone while its peers waited in their first step."""
     model = build(None)
+    opt = Muon(split_params(model), lr=0.02, capturable=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(
         ValueError, match=r"parameter '.*' is on cpu, but capturable=True is for parameters on a device"
     ):
-        Muon(split_params(model), lr=0.02, capturable=True)
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt = Muon(split_params(model), lr=0.02)  # switched on later: the same check
+    opt.param_groups[0]["capturable"] = True
+    with pytest.raises(ValueError, match=r"is on cpu, but capturable=True"):
+        opt.step()
     with cpu_stands_in(), pytest.raises(ValueError, match="capturable should be True or False"):
         Muon(split_params(model), lr=0.02, capturable="yes")  # type: ignore[arg-type]
 

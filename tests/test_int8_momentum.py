@@ -212,13 +212,14 @@ def _refusals(root: str) -> list[str]:
         Muon([("w", p)], lr=0.02, momentum_dtype=torch.int8)
     except ValueError as e:
         errors.append(str(e))
-    opt = Muon([("w", p)], lr=0.02)  # switched to int8 after construction: refused at the next step
-    opt.param_groups[0]["momentum_dtype"] = "int8"
-    p.grad = distribute_like(p, torch.ones(4, 300))
-    try:
-        opt.step()
-    except ValueError as e:
-        errors.append(str(e))
+    for value in ("int8", torch.int8):  # switched to int8 after construction: refused at the next step
+        opt = Muon([("w", p)], lr=0.02)  # (the dtype, before, quantized each shard's 150 columns)
+        opt.param_groups[0]["momentum_dtype"] = value
+        p.grad = distribute_like(p, torch.ones(4, 300))
+        try:
+            opt.step()
+        except ValueError as e:
+            errors.append(str(e))
     params, opt8 = build(None, 0)  # a float32-momentum checkpoint into an int8 optimizer
     ckpt.save_checkpoint(root, 1, AsModule(params), Muon(_groups(params), lr=0.02))
     try:
@@ -231,10 +232,10 @@ def _refusals(root: str) -> list[str]:
 
 def test_a_shard_that_cuts_a_block_and_a_float_checkpoint_are_refused_on_every_rank(tmp_path: Path) -> None:
     for errors in run_ranks(_refusals, 2, str(tmp_path), timeout=60):
-        assert len(errors) == 3, errors
-        assert errors[0] == errors[1] and "parameter 'w'" in errors[0], errors
+        assert len(errors) == 4, errors
+        assert errors[0] == errors[1] == errors[2] and "parameter 'w'" in errors[0], errors
         assert "columns [0, 150) of 300" in errors[0] and "multiple of 256 columns" in errors[0], errors[0]
-        assert "'a' float32 -> int8" in errors[2] and "Nothing was loaded" in errors[2], errors[2]
+        assert "'a' float32 -> int8" in errors[3] and "Nothing was loaded" in errors[3], errors[3]
 
 
 def _momentum_ops(count: int) -> int:

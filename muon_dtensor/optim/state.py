@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from ..checks.names import param_names
-from ..checks.param_checks import check_int8_layouts
 from ..checks.warn import warn
 from ..numerics.blockwise import dequantize, quantize
 from ..sharding.plan.param_layout import block_state_zeros, local_of, relayout, row_state_zeros
@@ -269,8 +268,6 @@ class StateWalks:
         )
         if key == self._key:
             return []
-        for i, g in enumerate(groups):  # a group switched to int8: its layouts first, alike on every rank
-            check_int8_layouts(g, param_names(g, i))
         follow_replaced(state, groups, seen)
         converted = [
             c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))
