@@ -106,6 +106,30 @@ def _one_process(dtype: torch.dtype | None, steps: int = 3) -> tuple[nn.Paramete
     return w, opt
 
 
+@pytest.mark.parametrize("fault", ["shape", "negative", "nan", "missing", "int"])
+def test_bad_block_maxima_in_a_state_dict_are_refused_at_load_naming_the_parameter(fault: str) -> None:
+    """Before, these loaded (or failed inside the next step, on its data path)."""
+    w, opt = _one_process(torch.int8, steps=1)
+    sd = opt.state_dict()
+    entry = sd["state"][0]
+    if fault == "shape":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX][:, :1].clone()
+    elif fault == "negative":
+        entry[MOMENTUM_ABSMAX] = -entry[MOMENTUM_ABSMAX]
+    elif fault == "nan":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX].clone().fill_(float("nan"))
+    elif fault == "int":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX].to(torch.int32)
+    else:
+        del entry[MOMENTUM_ABSMAX]
+    target = Muon([("w", w)], lr=0.02, momentum_dtype=torch.int8)
+    before = {k: v.clone() for k, v in target.state[w].items()}
+    with pytest.raises(ValueError, match=r"int8 momentum of 'w': its momentum_absmax .*nothing was loaded"):
+        target.load_state_dict(sd)
+    assert all(torch.equal(target.state[w][k], v) for k, v in before.items())
+    assert target.param_groups[0]["lr"] == 0.02
+
+
 def test_the_first_step_is_the_fp32_step_and_the_state_is_its_momentum_rounded_once() -> None:
     w8, opt8 = _one_process(torch.int8, steps=1)
     w32, opt32 = _one_process(None, steps=1)
