@@ -205,7 +205,9 @@ def test_zero_input_gives_zero_and_flops_are_the_standard_count() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tall", [False, True])
-def test_an_overflowed_gram_or_a_zero_row_under_eps_0_gives_a_finite_update(dtype: torch.dtype, tall: bool) -> None:
+def test_an_overflowed_gram_or_a_zero_row_under_eps_0_gives_a_finite_update(
+    dtype: torch.dtype, tall: bool
+) -> None:
     """Before, both were NaN (0 * inf, inf * 0). A Gram matrix beyond float32's range gives zero, as
     the Frobenius division by its infinite norm does; a zero row under eps=0 stays zero and the other
     rows are the bits of eps=1e-7 (whose clamp they never reach)."""

@@ -18,7 +18,9 @@ from tests.stage_layouts import gradient
 SHAPE = (64, 300)  # two blocks of int8 momentum per row, the second partial
 
 
-def _run(built: torch.dtype | None, switch: Any = None, at: int = 0, steps: int = 4, **kw: Any) -> dict[str, Any]:
+def _run(
+    built: torch.dtype | None, switch: Any = None, at: int = 0, steps: int = 4, **kw: Any
+) -> dict[str, Any]:
     """``steps`` steps of one matrix; ``switch`` set as the group's ``momentum_dtype`` before step ``at``."""
     w = nn.Parameter(torch.randn(*SHAPE, generator=torch.Generator().manual_seed(3)))
     opt = Muon([w], lr=0.02, momentum_dtype=built, **kw)
@@ -27,7 +29,11 @@ def _run(built: torch.dtype | None, switch: Any = None, at: int = 0, steps: int 
             opt.param_groups[0]["momentum_dtype"] = switch
         w.grad = gradient("w", SHAPE, step)
         opt.step()
-    return {"w": w.detach().clone(), **{k: v.clone() for k, v in opt.state[w].items()}, "group": opt.param_groups[0]}
+    return {
+        "w": w.detach().clone(),
+        **{k: v.clone() for k, v in opt.state[w].items()},
+        "group": opt.param_groups[0],
+    }
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -75,7 +81,9 @@ def test_ns_dtype_switched_with_the_dtype_steps_as_built() -> None:
 
 
 @pytest.mark.parametrize("lr", [torch.tensor([0.02]), torch.tensor([[0.02]])])
-def test_a_tensor_lr_that_is_not_0_dim_is_refused_at_construction_and_when_set_later(lr: torch.Tensor) -> None:
+def test_a_tensor_lr_that_is_not_0_dim_is_refused_at_construction_and_when_set_later(
+    lr: torch.Tensor,
+) -> None:
     w = nn.Parameter(torch.randn(8, 16))
     with pytest.raises(ValueError, match=r"tensor lr should be 0-dim .* has shape"):
         Muon([w], lr=lr)

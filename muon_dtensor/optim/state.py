@@ -217,7 +217,9 @@ def refuse_bad_absmax(
     """Before anything is loaded: an int8 momentum buffer needs its float32 block maxima beside it,
     of its blocks' shape (``absmax_shape``), finite and >= 0; else the step would fail on its data
     path (or dequantize NaN) with every later call refused. The error names the parameter."""
-    ids = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups))))
+    ids = dict(
+        zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups)))
+    )
     names = {id(p): n for k, g in enumerate(groups) for p, n in zip(g["params"], param_names(g, k))}
     for key, value in buffers.items():
         buf, absmax = value if isinstance(value, tuple) else (value, None)
