@@ -55,6 +55,8 @@ MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
 
 def _check_lr(lr: float | Tensor, capturable: bool = False) -> None:
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")  # torch.optim's message
     if isinstance(lr, Tensor) and lr.dim() != 0:  # a 1-D lr would broadcast inside the step
         raise ValueError(
             f"a tensor lr should be 0-dim (a scalar, e.g. torch.tensor(0.02)) but has shape {tuple(lr.shape)}; "
