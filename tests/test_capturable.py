@@ -230,6 +230,13 @@ def test_a_load_copies_the_lr_into_the_groups_own_tensor(via: str, tmp_path: Any
         assert all(g["lr"] is lr for g in opt.param_groups) and float(lr) == 0.03
         assert {type(g["lr"]) for g in floats.param_groups} == {float}
         assert {g["lr"] for g in floats.param_groups} == {0.03}
+        lr.fill_(0.5)  # a float-lr state dict into the tensor: copied in too
+        if via == "load_state_dict":
+            opt.load_state_dict(floats.state_dict())
+        else:
+            ckpt.save_checkpoint(tmp_path, 2, saved_model, floats)
+            ckpt.load_checkpoint(tmp_path, model, opt, step=2)
+        assert all(g["lr"] is lr for g in opt.param_groups) and float(lr) == 0.03
         lr.fill_(0.0)
         for p in model.parameters():
             p.grad = torch.ones_like(p)

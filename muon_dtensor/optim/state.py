@@ -205,7 +205,10 @@ def adopt_lr(groups: Sequence[MutableMapping[str, Any]], own: Sequence[Any]) -> 
         loaded = group["lr"]
         if isinstance(mine, Tensor):
             with torch.no_grad():
-                mine.copy_(loaded.detach() if isinstance(loaded, Tensor) else loaded)
+                if isinstance(loaded, Tensor):
+                    mine.copy_(loaded.detach())
+                else:
+                    mine.fill_(loaded)
             group["lr"] = mine
         elif isinstance(loaded, Tensor):
             group["lr"] = float(loaded)
