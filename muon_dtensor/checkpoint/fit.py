@@ -29,6 +29,21 @@ def tensor_keys(flat: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
+def match_lr_kinds(optim: dict[str, Any], metadata: Metadata, prefix: str) -> None:
+    """A format-2 load's optimizer template (``optim``, its keys without ``prefix``) asks for each
+    group's lr as the checkpoint holds it: a tensor where a capturable run saved its tensor lr, a
+    float where a float was saved. ``Muon.load_state_dict`` then converts to this optimizer's own
+    kind (``state.adopt_lr``), so a capturable run's checkpoint loads into a float-lr optimizer."""
+    for key, value in list(optim.items()):
+        if not (key.startswith("param_groups.") and key.endswith(".lr")):
+            continue
+        saved = metadata.state_dict_metadata.get(prefix + key)
+        if isinstance(saved, TensorStorageMetadata) and not isinstance(value, torch.Tensor):
+            optim[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+        elif isinstance(saved, BytesStorageMetadata) and isinstance(value, torch.Tensor):
+            optim[key] = 0.0  # DCP fills it with the saved float
+
+
 def _short(keys: Iterable[str], most: int = 12) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:most])

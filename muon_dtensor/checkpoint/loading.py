@@ -26,7 +26,7 @@ from ._fresh import check_optimizer_state, keep_param_names, start_fresh
 from ._warnings import single_process
 from .arguments_agree import agree
 from .extra_tensors import fill, templates
-from .fit import check_compatible, tensor_keys
+from .fit import check_compatible, match_lr_kinds, tensor_keys
 from .keys import (
     TORCHTITAN,
     KeyFormat,
@@ -184,7 +184,10 @@ def _check_and_read(
         if layout.format == 1:
             return _by_index_state(parts, with_optimizer)
         states.extend(part_states(parts, with_optimizer))
-        return dcp_state(states)
+        state = dcp_state(states)
+        if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)
+            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), layout.optim)
+        return state
 
     state, error = attempt(template)
     raise_together(error, group, "load_checkpoint")

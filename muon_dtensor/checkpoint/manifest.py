@@ -44,6 +44,7 @@ _STEP = re.compile(r"^step_(\d{8,})$")
 _CHECKSUM = "checksum"
 # The keys of a manifest written before manifests carried their own checksum.
 _LEGACY_KEYS = {"extra", "files", "step", "time", "torch", "world_size"}
+FORMATS = (1, 2)  # checkpoint/layout.py: BY_INDEX, PER_FQN
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 64
 
@@ -133,7 +134,8 @@ def _signed(text: str, content: dict[str, Any], checksum: Any) -> bool:
 
 def _check_content(folder: Path, content: dict[str, Any]) -> None:
     """What the readers rely on: ``files`` maps file names of this folder (DCP's ``.metadata``
-    among them) to sizes and checksums, ``step`` is the folder's, ``extra`` is a dict."""
+    among them) to sizes and checksums, ``step`` is the folder's, ``extra`` is a dict, ``format``
+    one this version reads (an unknown one would be read as format 1)."""
     path, files = folder / MANIFEST, content.get("files")
     if type(files) is not dict or not all(_is_record(r) for r in files.values()):
         raise CheckpointError(
@@ -150,6 +152,12 @@ def _check_content(folder: Path, content: dict[str, Any]) -> None:
     step, match = content.get("step"), _STEP.match(folder.name)
     if type(step) is not int or type(content.get("extra", {})) is not dict:
         raise CheckpointError(f"{path}: 'step' is not an int or 'extra' not a dict; nothing was loaded")
+    fmt = content.get("format", 1)  # a manifest of before formats had none: format 1
+    if type(fmt) is not int or fmt not in FORMATS:
+        raise CheckpointError(
+            f"{path}: the manifest's 'format' is {fmt!r}, which this version cannot read (it reads formats "
+            f"{', '.join(map(str, FORMATS))}); nothing was loaded. Load it with the muon_dtensor that saved it"
+        )
     if match and int(match.group(1)) != step:
         raise CheckpointError(
             f"{path}: the manifest is of step {step}, its folder is {folder.name} (a folder renamed or copied "

@@ -20,7 +20,7 @@ from ..numerics.blockwise import BLOCK, absmax_shape, block_problem
 from ..sharding.plan.blocks import shard_blocks
 from ..sharding.plan.param_layout import check_placements, local_of, shards_of
 
-__all__ = ["check_int8_layouts", "check_params"]
+__all__ = ["check_params", "check_switched"]
 
 
 def _check_param(p: Tensor, name: str, muon: bool, flatten: bool, experts: bool) -> None:
@@ -64,8 +64,6 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
     muon = group["algorithm"] == "muon"
     for p, name in zip(group["params"], names):
         _check_param(p, name, muon, group.get("flatten", False), group.get("experts", False))
-        if group.get("capturable", False):
-            _check_capturable_param(p, name, group["lr"])
         if muon:
             check_placements(p, name)
             _check_split_sizes(p, name, group)
@@ -101,12 +99,18 @@ def _check_normuon_param(p: Tensor, name: str, group: Mapping[str, Any]) -> None
         )
 
 
-def check_int8_layouts(group: Mapping[str, Any], names: Sequence[str]) -> None:
-    """``_check_int8_param`` for each parameter of an int8-momentum group (one switched to int8
-    after construction is checked before its buffers convert)."""
-    if group["algorithm"] == "muon" and group.get("momentum_dtype") == "int8":
-        for p, name in zip(group["params"], names):
+def check_switched(group: Mapping[str, Any], names: Sequence[str]) -> None:
+    """The parameter checks of settings a group may switch after construction, run by the step's
+    local checks whenever they change (their failure raised on every rank together): an int8
+    group's layouts, before its buffers convert, and a capturable group's devices (at construction
+    a rank that alone passed ``capturable=True`` would raise alone, its peers waiting in the step)."""
+    int8 = group["algorithm"] == "muon" and group.get("momentum_dtype") == "int8"
+    capturable = group.get("capturable", False) is True
+    for p, name in zip(group["params"], names):
+        if int8:
             _check_int8_param(p, name)
+        if capturable:
+            _check_capturable_param(p, name, group["lr"])
 
 
 def _check_int8_param(p: Tensor, name: str) -> None:

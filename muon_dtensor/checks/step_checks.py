@@ -19,7 +19,7 @@ optimizer's plan and state caches compare instead of building keys of their own.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ from ..base.names import param_names
 from ..numerics.newton_schulz import NSConfig
 from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
 from .agreement import all_params, explain, scope_entries, settings_of
+from .param_checks import check_switched
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
 from .step_scope import StepScope, agreed, describe, scope_key, step_scope
 from .together import digest_pieces, disagree, group_of, summed
@@ -87,6 +88,7 @@ class StepChecks:
         self._key: tuple | None = None
         self._param_set: _ParamSetCache | None = None
         self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
+        self._checked: tuple[int, set[tuple[Any, ...]]] = (0, set())  # settings whose parameter checks passed
 
     def param_set(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> int:
         """The generation of the current parameter set (local: no collective)."""
@@ -94,12 +96,14 @@ class StepChecks:
         return self.generation
 
     def run(
-        self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None
+        self, groups: Sequence[MutableMapping[str, Any]], ddp_group: Any = None
     ) -> tuple[list[NSConfig | None], list[list[int]]]:
         """Per group its Newton-Schulz config (None for AdamW) and the indices of the parameters
         with a gradient to apply; raises the same error on every rank of a scope."""
         param_set = self._param_set_of(groups, ddp_group)
-        configs, error = _local_checks(groups)
+        if self._checked[0] != self.generation:
+            self._checked = (self.generation, set())
+        configs, error = _local_checks(groups, self._checked[1])
         if error is None and param_set.step.outside is not None:
             error = ValueError(param_set.step.outside)
         bits, bad = presence(param_set.flat, param_set.specs)
@@ -169,13 +173,22 @@ def _explain(groups: Sequence[Mapping[str, Any]], ddp_group: Any, scope: Any) ->
     explain(scope, mine, gather_over_scope(mine, scope))
 
 
-def _local_checks(groups: Sequence[Mapping[str, Any]]) -> tuple[list[NSConfig | None], Exception | None]:
-    """``validation.check_group`` of every group, its first error caught (raised once every rank
-    knows)."""
+def _local_checks(
+    groups: Sequence[MutableMapping[str, Any]], checked: set[tuple[Any, ...]]
+) -> tuple[list[NSConfig | None], Exception | None]:
+    """``validation.check_group`` of every group (normalizing its keys), and ``check_switched`` of
+    its parameters where the settings it reads are new (``checked``: those already passed for this
+    parameter set); the first error caught (raised once every rank knows)."""
     configs: list[NSConfig | None] = []
-    for group in groups:
+    for index, group in enumerate(groups):
         try:
             configs.append(check_group(group))
+            lr = group["lr"]
+            where = (lr.device, lr.dtype) if isinstance(lr, Tensor) else None
+            key = (index, group["algorithm"], group.get("momentum_dtype"), group.get("capturable"), where)
+            if key not in checked:
+                check_switched(group, param_names(group, index))
+                checked.add(key)
         except Exception as e:  # noqa: BLE001 - any local failure is raised on every rank
             return configs, e
     return configs, None

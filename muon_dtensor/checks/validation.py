@@ -8,7 +8,7 @@ same check.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "check_round_bytes",
     "precheck_group",
     "momentum_dtype_name",
+    "normalize_group",
     "ns_dtype_name",
     "resolve_ns_config",
 ]
@@ -56,7 +57,12 @@ MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
 def _check_lr(lr: float | Tensor, capturable: bool = False) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+        raise ValueError("Tensor lr must be 1-element")  # torch.optim's message
+    if isinstance(lr, Tensor) and lr.dim() != 0:  # a 1-D lr would broadcast inside the step
+        raise ValueError(
+            f"a tensor lr should be 0-dim (a scalar, e.g. torch.tensor(0.02)) but has shape {tuple(lr.shape)}; "
+            "pass lr.reshape(()) to keep one tensor the schedule fills in place, or a float"
+        )
     if capturable and isinstance(lr, Tensor):  # its value stays on the device: reading it would sync
         if not lr.is_floating_point():
             raise ValueError(f"a capturable group's tensor lr should be floating point but is {lr.dtype}")
@@ -253,9 +259,23 @@ def _check_normuon(group: Mapping[str, Any]) -> None:
         )
 
 
-def check_group(group: Mapping[str, Any]) -> NSConfig | None:
-    """A group's hyperparameters (a user or scheduler may change them between steps); a Muon
-    group's Newton-Schulz config, None for AdamW."""
+def normalize_group(group: MutableMapping[str, Any]) -> None:
+    """The one normalization of a group's keys, run by ``admit_group`` and before every step's checks,
+    so a value set in a group after construction is the one the constructor stores: a Muon group's
+    ``ns_dtype`` and ``momentum_dtype`` as names (``torch.int8`` and ``'int8'`` both become
+    ``'int8'``, which the step, the layout checks and the agreement compare). A value no name fits
+    is left for the checks to refuse."""
+    if group["algorithm"] != "muon":
+        return
+    for key, name in (("ns_dtype", ns_dtype_name), ("momentum_dtype", momentum_dtype_name)):
+        if key in group and isinstance(group[key], torch.dtype):
+            group[key] = name(group[key])
+
+
+def check_group(group: MutableMapping[str, Any]) -> NSConfig | None:
+    """A group's hyperparameters (a user or scheduler may change them between steps), normalized
+    first (``normalize_group``); a Muon group's Newton-Schulz config, None for AdamW."""
+    normalize_group(group)
     if group["algorithm"] == "adamw":
         check_adamw_group(group)
         return None
@@ -305,7 +325,5 @@ def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None
     """``Muon.add_param_group``'s local checks of group ``index`` (no collective): its flags, its
     settings (dtype names stored as names) and its parameters."""
     check_flags(group, index)
-    if check_group(group) is not None:
-        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
-        group["momentum_dtype"] = momentum_dtype_name(group["momentum_dtype"])
+    check_group(group)
     check_params(group, names)

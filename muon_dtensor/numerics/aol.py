@@ -56,5 +56,11 @@ def aol_scale(
     scale = total.to(wide).sqrt().reciprocal().to(total.dtype)
     if norm_scale != 1.0:
         scale = scale / norm_scale
+    # A zero row under eps=0 (its sum 0, its scale inf) stays zero; a Gram matrix that overflowed
+    # (an infinite sum) gives a zero matrix, as the Frobenius division by an infinite norm does.
+    # Both would be NaN (0 * inf, inf * 0); elsewhere the bits are the source's.
+    fits = total.isfinite().all(dim=-1, keepdim=True)
+    scale = torch.where(fits & (total > 0), scale, torch.zeros_like(scale))
     rows, cols = scale.unsqueeze(-1), scale.unsqueeze(-2)
-    return (y * cols if tall else y * rows), gram * rows * cols
+    scaled = torch.where(fits.unsqueeze(-1), gram * rows * cols, torch.zeros_like(gram))
+    return (y * cols if tall else y * rows), scaled

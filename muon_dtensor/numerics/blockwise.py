@@ -89,7 +89,11 @@ def quantize(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
         blocks = _view(x, part)
         absmax = blocks.abs().amax(dim=-1).to(torch.float32)
         divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).to(x.dtype)
-        _view(q, part).copy_(torch.round(blocks * LEVELS / divisor.unsqueeze(-1)))
+        # x * 127 overflows float32 above 2.7e36: a block of maximum >= 1 takes 127/128 and its
+        # divisor / 128 instead, both exact (a power of two), so the quotient rounds to the same bits
+        shrink = torch.where(divisor >= 1, 1 / 128, 1.0).to(x.dtype)
+        levels, divisor = (shrink * LEVELS).unsqueeze(-1), (divisor * shrink).unsqueeze(-1)
+        _view(q, part).copy_(torch.round(blocks * levels / divisor))
         maxima.append(absmax)
     return q, maxima[0] if len(maxima) == 1 else torch.cat(maxima, dim=-1)
 

@@ -13,8 +13,7 @@ from torch import Tensor
 
 from ..base.names import param_names
 from ..base.warn import warn
-from ..checks.param_checks import check_int8_layouts
-from ..numerics.blockwise import dequantize, quantize
+from ..numerics.blockwise import absmax_shape, dequantize, quantize
 from ..sharding.plan.param_layout import block_state_zeros, local_of, relayout, row_state_zeros
 
 __all__ = [
@@ -145,11 +144,14 @@ def load_keeping(
     """``Muon.load_state_dict``: torch's ``load`` of ``state_dict`` into ``opt`` keeping each
     group's ``KEPT_KEYS`` and the momentum buffers' dtypes out of torch's cast; then the state the
     checkpoint lacks, created. Returns the buffers converted to their group's ``momentum_dtype``."""
-    kept = own_keys(opt.param_groups)
+    kept, lrs = own_keys(opt.param_groups), [g["lr"] for g in opt.param_groups]
     without, buffers = take_momentum(state_dict)
     refuse_overflow(state_dict["param_groups"], opt.param_groups, buffers)
+    refuse_bad_absmax(state_dict["param_groups"], opt.param_groups, buffers)
+    refuse_bad_lr(state_dict["param_groups"])
     load(without)
     restore_keys(opt.param_groups, kept)
+    adopt_lr(opt.param_groups, lrs)
     put_momentum(opt.state, state_dict["param_groups"], opt.param_groups, buffers)
     return settle_loaded(opt.state, opt.param_groups)
 
@@ -180,6 +182,73 @@ def refuse_overflow(
                 f"value(s) of this rank's shard into inf; nothing was loaded. Keep momentum_dtype="
                 f"{local.dtype} for its group, or load into an optimizer that keeps it"
             )
+
+
+def refuse_bad_lr(saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Before anything is loaded: a saved tensor lr ``adopt_lr`` cannot copy into a group's own
+    0-dim tensor (or read as a float)."""
+    for k, g in enumerate(saved_groups):
+        lr = g.get("lr")
+        if isinstance(lr, Tensor) and (lr.dim() != 0 or lr.is_complex()):
+            raise ValueError(
+                f"param group {k} of the state dict has lr {lr!r}: a tensor lr should be a 0-dim real "
+                "tensor; nothing was loaded"
+            )
+
+
+def adopt_lr(groups: Sequence[MutableMapping[str, Any]], own: Sequence[Any]) -> None:
+    """After torch's load (which deep-copies the saved groups): each group keeps its own lr object,
+    holding the loaded value, so a caller that fills the tensor it passed (docs/design.md's
+    capturable recipe, a CUDA graph reading it) still drives the step; a float lr stays a float,
+    and a tensor lr saved by a capturable run is read once here."""
+    for group, mine in zip(groups, own):
+        loaded = group["lr"]
+        if isinstance(mine, Tensor):
+            with torch.no_grad():
+                if isinstance(loaded, Tensor):
+                    mine.copy_(loaded.detach())
+                else:
+                    mine.fill_(loaded)
+            group["lr"] = mine
+        elif isinstance(loaded, Tensor):
+            group["lr"] = float(loaded)
+
+
+def refuse_bad_absmax(
+    saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]], buffers: dict
+) -> None:
+    """Before anything is loaded: an int8 momentum buffer needs its float32 block maxima beside it,
+    of its blocks' shape (``absmax_shape``), finite and >= 0; else the step would fail on its data
+    path (or dequantize NaN) with every later call refused. The error names the parameter."""
+    ids = dict(
+        zip(chain.from_iterable(g["params"] for g in saved_groups), chain(*(g["params"] for g in groups)))
+    )
+    names = {id(p): n for k, g in enumerate(groups) for p, n in zip(g["params"], param_names(g, k))}
+    for key, value in buffers.items():
+        buf, absmax = value if isinstance(value, tuple) else (value, None)
+        if not isinstance(buf, Tensor) or buf.dtype != torch.int8:
+            continue
+        p = ids.get(key)
+        name = names[id(p)] if p is not None else f"saved parameter {key!r}"
+        problem = _absmax_problem(buf, absmax)
+        if problem:
+            raise ValueError(
+                f"int8 momentum of '{name}': its {MOMENTUM_ABSMAX} {problem}; nothing was loaded. Load a "
+                "state dict saved with momentum_dtype=torch.int8 as it was saved"
+            )
+
+
+def _absmax_problem(buf: Tensor, absmax: Any) -> str | None:
+    if not isinstance(absmax, Tensor):
+        return "is missing" if absmax is None else f"is a {type(absmax).__name__}, not a tensor"
+    want = absmax_shape(buf.shape)
+    if tuple(absmax.shape) != want:
+        return f"has shape {tuple(absmax.shape)}, but the buffer's {tuple(buf.shape)} needs {want}"
+    local = local_of(absmax)
+    if not local.is_floating_point():
+        return f"is {absmax.dtype}, not float32"
+    bad = int((~(local >= 0) | ~local.isfinite()).sum())
+    return f"holds {bad} negative, NaN or infinite value(s)" if bad else None
 
 
 def own_keys(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -269,8 +338,6 @@ class StateWalks:
         )
         if key == self._key:
             return []
-        for i, g in enumerate(groups):  # a group switched to int8: its layouts first, alike on every rank
-            check_int8_layouts(g, param_names(g, i))
         follow_replaced(state, groups, seen)
         converted = [
             c for i, g in enumerate(groups) for c in init_params(state, g, i, range(len(g["params"])))

@@ -210,6 +210,17 @@ def test_a_manifest_of_the_wrong_shape_is_refused(saved: Path, field: str, value
     assert repr(field) in _load_error(saved)
 
 
+@pytest.mark.parametrize("value", [3, "2", None])
+def test_a_manifest_of_an_unknown_format_is_refused_naming_it(saved: Path, value: Any) -> None:
+    """Before, any format but 2 was read as format 1, and the error listed the keys it lacked."""
+    folder = saved / "step_00000001"
+    content = read_manifest(folder)
+    content["format"] = value
+    _sign(folder, content)
+    message = _load_error(saved)
+    assert f"'format' is {value!r}" in message and "cannot read" in message, message
+
+
 # ------------------------------------------------------------------------- export checks what load checks
 
 

@@ -54,6 +54,7 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("step", "ns_split", "off", 2),
     ("step", "owners", "auto", "mesh"),
     ("step", "capturable", False, True),
+    ("step", "capturable (at construction)", False, True),
     ("step", "params (order)", "as built", "first two swapped"),
     ("step", "params (contents)", "every matrix", "the last one left out"),
     ("step", "gradient", "present", "missing"),
@@ -138,6 +139,8 @@ def _step(env: Env, arg: str, value: Any) -> None:
             extra = nn.Parameter(DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False))
             extra.grad = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
             env.opt.add_param_group({"params": [extra], "param_names": ["extra.weight"]})
+    elif arg == "capturable (at construction)":  # refused on this CPU, at the first step on every rank
+        env.opt = Muon(split_params(env.model), lr=0.02, capturable=value)
     elif not arg.startswith(("params", "gradient")):
         group[arg] = value
     env.opt.step()

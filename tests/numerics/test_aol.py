@@ -41,6 +41,7 @@ from tests.models import full, stepped
 from tests.numerics.test_ns_presets import seeded_inputs
 
 Triple = tuple[float, float, float]
+DEFAULT = (3.4445, -4.775, 2.0315)
 
 # newton_schulz_triton.py@cdb03db L554-559, as the source writes it.
 SOURCE_CONSTS: list[list[float]] = [
@@ -200,6 +201,27 @@ def test_zero_input_gives_zero_and_flops_are_the_standard_count() -> None:
     )
     for shape in [(256, 256), (512, 1024), (1024, 256)]:
         assert orthogonalize_flops(shape, config) == ns_flops(shape, 4) == 0.8 * ns_flops(shape, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tall", [False, True])
+def test_an_overflowed_gram_or_a_zero_row_under_eps_0_gives_a_finite_update(
+    dtype: torch.dtype, tall: bool
+) -> None:
+    """Before, both were NaN (0 * inf, inf * 0). A Gram matrix beyond float32's range gives zero, as
+    the Frobenius division by its infinite norm does; a zero row under eps=0 stays zero and the other
+    rows are the bits of eps=1e-7 (whose clamp they never reach)."""
+    config = _aol(dtype)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(4))
+    x[1, 3] = 0.0
+    x = x.mT if tall else x
+    standard = resolve_ns_config(DEFAULT, 5, 1e-7, dtype)
+    huge = torch.stack([x[0] * 1e20, x[0]])  # the first matrix's Gram overflows, the second's not
+    out = newton_schulz(huge, config)
+    assert torch.equal(out[0], newton_schulz(huge[0], standard)) and not out[0].any()
+    assert torch.equal(out[1], newton_schulz(x[0], config))
+    at_zero = newton_schulz(x, dataclasses.replace(config, eps=0.0))
+    assert at_zero.isfinite().all() and torch.equal(at_zero, newton_schulz(x, config))
 
 
 # ----------------------------------------------------------------------------------- the options

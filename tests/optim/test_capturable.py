@@ -154,11 +154,22 @@ def test_a_float_lr_the_group_reads_is_a_host_read_the_capturable_step_avoids() 
 
 
 def test_refused_where_torch_cannot_capture_naming_the_parameter() -> None:
+    """At the first step, whose local checks fail on every rank together: at construction a rank
+    that alone passed capturable=True raised alone while its peers waited in their first step."""
     model = build(None)
+    opt = Muon(split_params(model), lr=0.02, capturable=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(
         ValueError, match=r"parameter '.*' is on cpu, but capturable=True is for parameters on a device"
     ):
-        Muon(split_params(model), lr=0.02, capturable=True)
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt = Muon(split_params(model), lr=0.02)  # switched on later: the same check
+    opt.param_groups[0]["capturable"] = True
+    with pytest.raises(ValueError, match=r"is on cpu, but capturable=True"):
+        opt.step()
     with cpu_stands_in(), pytest.raises(ValueError, match="capturable should be True or False"):
         Muon(split_params(model), lr=0.02, capturable="yes")  # type: ignore[arg-type]
 
@@ -180,3 +191,55 @@ def test_a_load_keeps_this_optimizers_capturable() -> None:
     plain.step()  # AdamW's counters came back to the host: the float path steps
     counters = {s["step"].device.type for s in plain.state.values() if "step" in s}
     assert counters == {"cpu"}
+
+
+def _stepped_pair(lr: torch.Tensor) -> tuple[nn.Module, Muon]:
+    model = build(None)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = Muon(split_params(model), lr=lr, capturable=True)
+    opt.step()
+    return model, opt
+
+
+def _moved(model: nn.Module, opt: Muon) -> float:
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    return max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("via", ["load_state_dict", "load_checkpoint"])
+def test_a_load_copies_the_lr_into_the_groups_own_tensor(via: str, tmp_path: Any) -> None:
+    """docs/design.md's recipe (``lr.fill_``) keeps driving the step after a load: before, the load
+    left a new tensor in the group and ``fill_(0.0)`` still moved the weights by 0.0138. A capturable
+    run's tensor lr loads into a float-lr optimizer as a float, and a float lr into the tensor."""
+    import muon_dtensor.checkpoint as ckpt
+
+    with cpu_stands_in():
+        saved_model, saved = _stepped_pair(torch.tensor(0.03, dtype=torch.float64))
+        floats = Muon(split_params(saved_model), lr=0.01)
+        if via == "load_checkpoint":
+            ckpt.save_checkpoint(tmp_path, 1, saved_model, saved)
+        lr = torch.tensor(0.02, dtype=torch.float64)
+        model, opt = _stepped_pair(lr)
+        for target, into in ((opt, model), (floats, saved_model)):
+            if via == "load_state_dict":
+                target.load_state_dict(saved.state_dict())
+            else:
+                ckpt.load_checkpoint(tmp_path, into, target, step=1)
+        assert all(g["lr"] is lr for g in opt.param_groups) and float(lr) == 0.03
+        assert {type(g["lr"]) for g in floats.param_groups} == {float}
+        assert {g["lr"] for g in floats.param_groups} == {0.03}
+        lr.fill_(0.5)  # a float-lr state dict into the tensor: copied in too
+        if via == "load_state_dict":
+            opt.load_state_dict(floats.state_dict())
+        else:
+            ckpt.save_checkpoint(tmp_path, 2, saved_model, floats)
+            ckpt.load_checkpoint(tmp_path, model, opt, step=2)
+        assert all(g["lr"] is lr for g in opt.param_groups) and float(lr) == 0.03
+        lr.fill_(0.0)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        assert _moved(model, opt) == 0.0
+        lr.fill_(0.02)
+        assert _moved(model, opt) > 0.0

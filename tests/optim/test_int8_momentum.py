@@ -75,6 +75,28 @@ def test_zero_blocks_stay_zero() -> None:
     assert not dequantize(q, absmax, torch.float32).any()
 
 
+def test_huge_values_quantize_without_overflow_as_their_scaled_down_copy() -> None:
+    """127 * x overflows float32 above 2.7e36: before, blocks near 1e37 quantized to garbage."""
+    x = torch.randn(4, 2 * BLOCK + 10, generator=torch.Generator().manual_seed(5))
+    big = x * 2.0**123  # about 1e37, the largest elements 4e37; a power of two: the same levels
+    q, absmax = quantize(big)
+    q_small, absmax_small = quantize(x)
+    assert absmax.isfinite().all() and torch.equal(absmax, absmax_small * 2.0**123)
+    assert torch.equal(q, q_small)
+    back = dequantize(q, absmax, torch.float32)
+    assert torch.equal(back, dequantize(q_small, absmax_small, torch.float32) * 2.0**123)
+
+
+def test_levels_are_the_plain_formulas_bits_at_every_scale() -> None:
+    """The scaling that avoids the overflow is exact: the bits of round(x * 127 / max) wherever that
+    product is finite, for blocks far below and far above 1."""
+    x = torch.randn(6, BLOCK, generator=torch.Generator().manual_seed(6))
+    x = x * torch.tensor([1e-30, 1e-3, 0.7, 1.0, 3e5, 1e30])[:, None]
+    q, _ = quantize(x)
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    assert torch.equal(q, torch.round(x * 127.0 / absmax).to(torch.int8))
+
+
 def _one_process(dtype: torch.dtype | None, steps: int = 3) -> tuple[nn.Parameter, Muon]:
     w = nn.Parameter(torch.randn(64, 300, generator=torch.Generator().manual_seed(3)))
     opt = Muon([w], lr=0.02, momentum_dtype=dtype)
@@ -82,6 +104,30 @@ def _one_process(dtype: torch.dtype | None, steps: int = 3) -> tuple[nn.Paramete
         w.grad = gradient("w", (64, 300), step)
         opt.step()
     return w, opt
+
+
+@pytest.mark.parametrize("fault", ["shape", "negative", "nan", "missing", "int"])
+def test_bad_block_maxima_in_a_state_dict_are_refused_at_load_naming_the_parameter(fault: str) -> None:
+    """Before, these loaded (or failed inside the next step, on its data path)."""
+    w, opt = _one_process(torch.int8, steps=1)
+    sd = opt.state_dict()
+    entry = sd["state"][0]
+    if fault == "shape":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX][:, :1].clone()
+    elif fault == "negative":
+        entry[MOMENTUM_ABSMAX] = -entry[MOMENTUM_ABSMAX]
+    elif fault == "nan":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX].clone().fill_(float("nan"))
+    elif fault == "int":
+        entry[MOMENTUM_ABSMAX] = entry[MOMENTUM_ABSMAX].to(torch.int32)
+    else:
+        del entry[MOMENTUM_ABSMAX]
+    target = Muon([("w", w)], lr=0.02, momentum_dtype=torch.int8)
+    before = {k: v.clone() for k, v in target.state[w].items()}
+    with pytest.raises(ValueError, match=r"int8 momentum of 'w': its momentum_absmax .*nothing was loaded"):
+        target.load_state_dict(sd)
+    assert all(torch.equal(target.state[w][k], v) for k, v in before.items())
+    assert target.param_groups[0]["lr"] == 0.02
 
 
 def test_the_first_step_is_the_fp32_step_and_the_state_is_its_momentum_rounded_once() -> None:
@@ -190,13 +236,14 @@ def _refusals(root: str) -> list[str]:
         Muon([("w", p)], lr=0.02, momentum_dtype=torch.int8)
     except ValueError as e:
         errors.append(str(e))
-    opt = Muon([("w", p)], lr=0.02)  # switched to int8 after construction: refused at the next step
-    opt.param_groups[0]["momentum_dtype"] = "int8"
-    p.grad = distribute_like(p, torch.ones(4, 300))
-    try:
-        opt.step()
-    except ValueError as e:
-        errors.append(str(e))
+    for value in ("int8", torch.int8):  # switched to int8 after construction: refused at the next step
+        opt = Muon([("w", p)], lr=0.02)  # (the dtype, before, quantized each shard's 150 columns)
+        opt.param_groups[0]["momentum_dtype"] = value
+        p.grad = distribute_like(p, torch.ones(4, 300))
+        try:
+            opt.step()
+        except ValueError as e:
+            errors.append(str(e))
     params, opt8 = build(None, 0)  # a float32-momentum checkpoint into an int8 optimizer
     ckpt.save_checkpoint(root, 1, AsModule(params), Muon(_groups(params), lr=0.02))
     try:
@@ -209,10 +256,10 @@ def _refusals(root: str) -> list[str]:
 
 def test_a_shard_that_cuts_a_block_and_a_float_checkpoint_are_refused_on_every_rank(tmp_path: Path) -> None:
     for errors in run_ranks(_refusals, 2, str(tmp_path), timeout=60):
-        assert len(errors) == 3, errors
-        assert errors[0] == errors[1] and "parameter 'w'" in errors[0], errors
+        assert len(errors) == 4, errors
+        assert errors[0] == errors[1] == errors[2] and "parameter 'w'" in errors[0], errors
         assert "columns [0, 150) of 300" in errors[0] and "multiple of 256 columns" in errors[0], errors[0]
-        assert "'a' float32 -> int8" in errors[2] and "Nothing was loaded" in errors[2], errors[2]
+        assert "'a' float32 -> int8" in errors[3] and "Nothing was loaded" in errors[3], errors[3]
 
 
 def _momentum_ops(count: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from muon_dtensor.checkpoint.agree import agree, agree_save
+from muon_dtensor.checkpoint.arguments_agree import agree, agree_save
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
