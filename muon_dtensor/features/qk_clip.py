@@ -303,7 +303,8 @@ def qk_clip_(
     factor of its query heads. Factors are float32; each element is multiplied once.
 
     Collective: first one integer sum over ``process_group`` (default: the default group, which
-    every rank can name; a pipeline stage passes its own group), so a bad argument or ranks that
+    every rank can name; a pipeline stage passes its own group, which is first checked over the
+    default group to be the group each of its ranks passed), so a bad argument or ranks that
     disagree (``head_dim``, ``threshold``, ``alpha``, the weights' shapes, placements and mesh)
     raise the same ``ValueError`` on every rank, no weight changed; then one MAX all-reduce per axis
     of the weights' mesh (``process_group`` for plain tensors). Optimizer state is left as it is.
