@@ -77,10 +77,12 @@ layout_of_manifest = format_of_manifest
 
 
 def optimizer_types(optimizer: Optimizers) -> str | None:
-    """The optimizers' type names, as the ranks must agree on them (None: weights only)."""
-    if isinstance(optimizer, (list, tuple)):
-        return repr([type(o).__qualname__ for o in optimizer])
-    return None if optimizer is None else type(optimizer).__qualname__
+    """What the ranks must agree on about the optimizers: whether any was given (None: weights
+    only) and the set of their type names, sorted and joined. Not the list itself: ranks may hold different
+    parts (``[opt]`` here, ``opt`` there; two virtual stages here, one there)."""
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    names = sorted({type(o).__qualname__ for o in given if o is not None})
+    return ", ".join(names) if names else None
 
 
 @dataclass(frozen=True)

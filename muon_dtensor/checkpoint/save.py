@@ -36,6 +36,7 @@ from . import collectives
 from ._warnings import single_process
 from .arguments_agree import agree_save
 from .extra_tensors import rank_entries, split_tensors
+from .holders import check_holders, describe_entries
 from .keys import PER_FQN, Models, Optimizers, Parts, dcp_state, optimizer_types, part_states
 from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, check_extra, complete_steps, file_record
@@ -54,10 +55,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _saved_state(model: Models, optimizer: Optimizers) -> dict[str, Any]:
+def _saved_state(model: Models, optimizer: Optimizers) -> tuple[dict[str, Any], dict[str, str]]:
     """What a save writes (format 2, ``keys``): the rank's parts by FQN, their optimizers' entries
-    per parameter. Local: ValueError for parts that do not pair up or share an entry."""
-    return dcp_state(part_states(Parts.of(model, optimizer), with_optimizer=True))
+    per parameter; and what each model entry is (``holders``). Local: ValueError for parts that do
+    not pair up or share an entry."""
+    parts = Parts.of(model, optimizer)
+    state = dcp_state(part_states(parts, with_optimizer=True))
+    return state, describe_entries(state, parts)
 
 
 def _extra_entries(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -66,8 +70,9 @@ def _extra_entries(tensors: list[torch.Tensor], group: dist.ProcessGroup | None)
 
 def _check_arguments(
     step: int, extra: Any, keep_last: int | None, model: Models, optimizer: Optimizers
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Local checks, before any collective or file write: the manifest's ``extra`` and the state."""
+) -> tuple[dict[str, Any], tuple[dict[str, Any], dict[str, str]]]:
+    """Local checks, before any collective or file write: the manifest's ``extra``, the state and
+    its entries' descriptions."""
     if type(step) is not int or step < 0:
         raise ValueError(f"step should be an int of at least 0 but is {step!r}")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
@@ -130,11 +135,12 @@ def save_checkpoint(
     step is never overwritten; ``keep_last`` (None or at least 1) deletes older complete steps. Any
     failure raises the same error on every rank, and leaves no half-published step.
     """
-    given, (extra, saved) = extra, agree_save(
+    given, (extra, (saved, described)) = extra, agree_save(
         process_group, lambda: _check_arguments(step, extra, keep_last, model, optimizer),
         root=str(root), step=step, extra=extra, keep_last=keep_last,
         optimizer=optimizer_types(optimizer),
     )  # fmt: skip
+    check_holders(described, process_group, "save_checkpoint")
     tmp, final = claim(Path(root), step, process_group)
     solo = collectives.no_process_group()
     tensors = split_tensors(given)[1]
@@ -187,11 +193,12 @@ def async_save_checkpoint(
     """Like ``save_checkpoint``, but returns once the state is staged; training may go on. Call
     ``wait()`` on the result (every rank) before the next async save and before exiting; a save of
     the same step, or another async save, before then raises on every rank."""
-    given, (extra, saved) = extra, agree_save(
+    given, (extra, (saved, described)) = extra, agree_save(
         process_group, lambda: _check_arguments(step, extra, keep_last, model, optimizer),
         "async_save_checkpoint", root=str(root), step=step, extra=extra, keep_last=keep_last,
         optimizer=optimizer_types(optimizer),
     )  # fmt: skip
+    check_holders(described, process_group, "async_save_checkpoint")
     tmp, final = claim(Path(root), step, process_group, asynchronous=True)
     group = groups.save_group(process_group)
     state = saved | _extra_entries(split_tensors(given)[1], process_group)

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.runtime.comm import simulated
 
-__all__ = ["PRIME", "StepScope", "agreed", "describe", "scope_key", "step_scope"]
+__all__ = ["PRIME", "StepScope", "agreed", "describe", "fingerprint", "scope_key", "shown", "step_scope"]
 
 PRIME = (1 << 31) - 1  # pieces below 2^31: sums over 2^20 ranks stay exact in int64
 _SEEDS = (b"mesh-a", b"mesh-b")
@@ -70,7 +70,7 @@ def step_scope(scopes: Sequence[Any], group: Any, explicit: bool) -> StepScope:
     keys = [scope_key(s) for s in scopes]
     outside = next((k for k in keys if not set(k[4]) <= set(members)), None)
     folded = next((i for i, k in enumerate(keys) if sorted(k[4]) == sorted(members)), None)
-    pieces = tuple(sum(_term(k, rank, seed) for k in keys) % PRIME for seed in _SEEDS)
+    pieces = fingerprint(keys, rank)
     if simulated(group):  # every rank of a fake group is this one: each holds its scopes, the sum is 0
         pieces = (0,) * len(_SEEDS)
     why = None
@@ -80,6 +80,17 @@ def step_scope(scopes: Sequence[Any], group: Any, explicit: bool) -> StepScope:
             f"(ranks {list(members)}); pass Muon(step_group=...) a group holding every rank of its meshes"
         )
     return StepScope(True, pieces, folded, why)
+
+
+def fingerprint(keys: Sequence[tuple], rank: int) -> tuple[int, ...]:
+    """This rank's terms for the scopes ``keys`` (``scope_key``s), one per seed: summed over every
+    rank, 0 modulo ``PRIME`` when each key was added by exactly the ranks it lists."""
+    return tuple(sum(_term(k, rank, seed) for k in keys) % PRIME for seed in _SEEDS)
+
+
+def shown(key: tuple) -> str:
+    """A scope key in words, for errors."""
+    return _shown(key)
 
 
 def agreed(sums: Sequence[int]) -> bool:

@@ -117,9 +117,10 @@ def raise_together(
         e is not None for _, e in everyone.values()
     ):  # a failing rank's facts may be missing: not a difference
         keys = {k: None for k in keys if all(k in a for a, _ in everyone.values())}
-    differing = [
-        d for d in (_describe(k, {r: a.get(k) for r, (a, _) in everyone.items()}) for k in keys) if d
-    ]
+    common = [k for k in keys if all(k in a for a, _ in everyone.values())]
+    differing = [  # first what every rank named (ranks in different calls share few keys)
+        d for d in (_describe(k, {r: a.get(k) for r, (a, _) in everyone.items()}) for k in common) if d
+    ] or [d for d in (_describe(k, {r: a.get(k) for r, (a, _) in everyone.items()}) for k in keys) if d]
     if differing:  # the root cause: a failure on some rank may follow from it
         raise ValueError(
             f"{call}: ranks disagree about {'; '.join(differing)}. Pass the same arguments, model and "

@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -104,6 +105,12 @@ def check_process_group(group: Any) -> None:
 
 def check_step_group(group: Any) -> None:
     """``step_group``: the ranks that step together (None: the default group)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"step_group: rank {dist.get_rank()} passed a process group it is not a member of "
+            f"(torch.distributed gives non-members GroupMember.NON_GROUP_MEMBER, {group}); pass each rank "
+            "the group it belongs to (under pipeline parallelism, its own stage's group)"
+        )
     if group is not None and not isinstance(group, (ProcessGroup, DeviceMesh)):
         raise TypeError(
             f"step_group should be None (the default group), a torch.distributed.ProcessGroup or a "

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checks import together
 from ..checks.agreement import plain
+from ..checks.group_identity import agree_group, group_key
 from ..sharding.plan.blocks import AxisShard, Interval, shard_blocks
 from ..sharding.plan.param_layout import check_placements, local_of, shards_of
 from ..sharding.runtime import comm
@@ -218,11 +219,14 @@ def _text(w: object) -> str:
     return f"{w.dtype} of shape {tuple(w.shape)}" if isinstance(w, Tensor) else type(w).__name__
 
 
-def _arguments(layers: list[_Layer], head_dim: Any, threshold: Any, alpha: Any) -> dict[str, Any]:
+def _arguments(
+    layers: list[_Layer], head_dim: Any, threshold: Any, alpha: Any, given_group: bool
+) -> dict[str, Any]:
     """What every rank must pass alike (100 and 100.0 agree): each layer's name, weights and mesh,
     in order, so the meshes are reduced in one order everywhere."""
     t, a = (float(x) if type(x) in (int, float) else plain(x) for x in (threshold, alpha))
     out: dict[str, Any] = {"head_dim": plain(head_dim), "threshold": t, "alpha": a}
+    out["process_group"] = "given" if given_group else "none (the default group)"
     out["the layers"] = tuple(layer.name for layer in layers)
     for layer in layers:
         out[f"{layer.where}q_weight"], out[f"{layer.where}k_weight"] = _text(layer.q), _text(layer.k)
@@ -251,9 +255,16 @@ def _clip(
 ) -> list[QKClipFactors]:  # fmt: skip
     """Check locally, agree over ``group`` (the default group where None: every rank can name it),
     then one MAX all-reduce per axis of each mesh, in the agreed order, then scale."""
+    if group is not None:  # every rank passed this very group, or the ranks would wait in different ones
+        key, failed = together.attempt(lambda: group_key(group, "process_group"))
+        agree_group(fn, "process_group", failed, key, "No weight changed")
     layers, error = _prepare(fn, items, head_dim, threshold, alpha)
     together.raise_together(
-        error or unnamed, group, fn, _arguments(layers, head_dim, threshold, alpha), "No weight changed"
+        error or unnamed,
+        group,
+        fn,
+        _arguments(layers, head_dim, threshold, alpha, group is not None),
+        "No weight changed",
     )
     scopes: dict[Scope, list[int]] = {}
     for i, layer in enumerate(layers):
@@ -292,7 +303,8 @@ def qk_clip_(
     factor of its query heads. Factors are float32; each element is multiplied once.
 
     Collective: first one integer sum over ``process_group`` (default: the default group, which
-    every rank can name; a pipeline stage passes its own group), so a bad argument or ranks that
+    every rank can name; a pipeline stage passes its own group, which is first checked over the
+    default group to be the group each of its ranks passed), so a bad argument or ranks that
     disagree (``head_dim``, ``threshold``, ``alpha``, the weights' shapes, placements and mesh)
     raise the same ``ValueError`` on every rank, no weight changed; then one MAX all-reduce per axis
     of the weights' mesh (``process_group`` for plain tensors). Optimizer state is left as it is.

@@ -13,6 +13,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from ..base.names import param_names
 from ..checks import validation
+from ..checks.group_identity import agree_step_group
 from ..checks.step_checks import StepChecks
 from ..checks.together import refuse_after_failure
 from ..checks.validation import NSSplit, Owners
@@ -95,32 +96,40 @@ class Muon(report.Reports, Optimizer):
         capturable: bool = False,
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
-        validation.check_momentum_dtype_argument(momentum_dtype)
-        values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
-        defaults = dict(
-            zip(_TORCH_KEYS, values),
-            **_VIEW_DEFAULTS,
-            **_NORMUON_DEFAULTS,
-            ns_algorithm=ns_algorithm,
-            mode=mode,
-            max_round_bytes=max_round_bytes,
-            owners=owners,
-            ns_split=ns_split,
-            capturable=capturable,
-            ns_dtype=validation.ns_dtype_name(ns_dtype),
-            momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
-        )
-        validation.check_muon_group(defaults)
-        validation.check_process_group(process_group)
-        validation.check_step_group(step_group)
-        self._process_group = process_group
-        self._orthogonalize = orthogonalize_fn
-        self._checks = StepChecks(step_group)
-        self._plans = PlanCache()
-        self._walks = StateWalks()
-        self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
-        self.comm_stats = CommStats()
-        super().__init__(params, defaults)
+        error: Exception | None = None
+        try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
+            validation.check_momentum_dtype_argument(momentum_dtype)
+            values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+            defaults = dict(
+                zip(_TORCH_KEYS, values),
+                **_VIEW_DEFAULTS,
+                **_NORMUON_DEFAULTS,
+                ns_algorithm=ns_algorithm,
+                mode=mode,
+                max_round_bytes=max_round_bytes,
+                owners=owners,
+                ns_split=ns_split,
+                capturable=capturable,
+                ns_dtype=validation.ns_dtype_name(ns_dtype),
+                momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
+            )
+            validation.check_muon_group(defaults)
+            validation.check_process_group(process_group)
+            validation.check_step_group(step_group)
+            self._process_group = process_group
+            self._orthogonalize = orthogonalize_fn
+            self._checks = StepChecks(step_group)
+            self._plans = PlanCache()
+            self._walks = StateWalks()
+            self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
+            self.comm_stats = CommStats()
+            super().__init__(params, defaults)
+        except Exception as e:
+            if step_group is None:
+                raise
+            error = e
+        if step_group is not None:  # collective over the default group: every rank passes one
+            agree_step_group(step_group, getattr(self, "param_groups", []), process_group, error)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if validation.precheck_group(param_group, len(self.param_groups)) == "adamw":

@@ -62,10 +62,13 @@ def test_bad_input_raises_on_every_rank(outcomes: Outcomes, case: str, error: st
         assert re.search(pattern, message), f"rank {rank}: {message}"
 
 
-def test_rank_outside_a_parameters_mesh_raises_there_only(outcomes: Outcomes) -> None:
-    (kind0, message0), (kind1, message1) = _outcome(outcomes, "rank_outside_mesh")
-    assert (kind0, message0) == ("none", "")
-    assert kind1 == "ValueError" and "'stage0.w'" in message1 and "rank 1 is not part of its mesh" in message1
+def test_rank_outside_a_parameters_mesh_raises_on_every_rank(outcomes: Outcomes) -> None:
+    """With a step_group, construction agrees over the default group (issue 41): the stage's own rank
+    raises the outside rank's error too, instead of stepping on while that rank failed."""
+    outcome = _outcome(outcomes, "rank_outside_mesh")
+    assert outcome[0] == outcome[1], outcome
+    kind, message = outcome[1]
+    assert kind == "ValueError" and "'stage0.w'" in message and "rank 1 is not part of its mesh" in message
 
 
 def test_parameter_without_gradient_anywhere_is_skipped(outcomes: Outcomes) -> None:
@@ -141,9 +144,8 @@ def mislaid_grad_on_one_rank() -> None:
 
 
 def rank_outside_mesh() -> None:
-    """A pipeline stage's parameter handed to a rank outside that stage: that rank raises at
-    construction, naming it; the stage's own rank, whose step group is its stage, builds and steps
-    without a collective to wait on."""
+    """A pipeline stage's parameter handed to a rank outside that stage: that rank fails at
+    construction, naming it, and (with a step_group) every rank raises that error there."""
     stage0 = DeviceMesh("cpu", [0])
     p = _param((6, 4), stage0)
     opt = Muon([("stage0.w", p)], lr=0.1, step_group=stage0)

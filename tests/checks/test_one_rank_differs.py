@@ -73,6 +73,14 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("qk_clip_all_", "layers (type)", "DTensor", "plain tensor"),
     ("qk_clip_all_", "head_dim", 4, 2),
     ("qk_clip_all_", "threshold", 100.0, 50.0),
+    ("qk_clip_all_", "layers (contents, in a list)", "list: a", "list: none"),
+    # one rank passes a process_group, the others none: each waited in its own group (issue 41)
+    ("qk_clip_all_", "layers (contents, process_group)", "two layers", "none, with a process_group"),
+    ("qk_clip_all_", "layers (type, process_group)", "DTensor", "plain tensor, with a process_group"),
+    # Muon(step_group=...): checked over the default group at construction (issue 41)
+    ("Muon", "step_group", "every rank's group", "a group without this rank"),
+    ("Muon", "step_group", "every rank's group", "a group of this rank alone"),
+    ("Muon", "step_group", "every rank's group", "another group of the same ranks"),
     # the checkpoint helpers
     ("save_checkpoint", "step", 5, 6),
     ("save_checkpoint", "keep_last", None, 1),
@@ -170,10 +178,18 @@ def _qk_clip(env: Env, arg: str, value: Any) -> None:
 
 def _qk_clip_all(env: Env, arg: str, value: Any) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    (qa, ka), (qb, kb) = _qk(mesh, plain=value == "plain tensor"), _qk(mesh)
+    (qa, ka), (qb, kb) = _qk(mesh, plain=str(value).startswith("plain tensor")), _qk(mesh)
     env.watch(qa, ka, qb, kb)
     layers: Any = {"a": (qa, ka, _logits()), "b": (qb, kb, _logits())}
-    if value == "none":
+    group = dist.new_group(list(range(dist.get_world_size()))) if "process_group" in arg else None
+    if str(value).endswith("with a process_group"):
+        kwargs_group: dict[str, Any] = {"process_group": group}
+        layers = {} if value.startswith("none") else layers
+    else:
+        kwargs_group = {}
+    if value in ("list: a", "list: none"):
+        layers = [layers["a"]] if value == "list: a" else []
+    elif value == "none":
         layers = {}
     elif value == "b, a":
         layers = dict(reversed(list(layers.items())))
@@ -184,7 +200,22 @@ def _qk_clip_all(env: Env, arg: str, value: Any) -> None:
     kwargs: dict[str, Any] = {"head_dim": 4}
     if arg in ("head_dim", "threshold"):
         kwargs[arg] = value
-    qk_clip_all_(layers, **kwargs)
+    qk_clip_all_(layers, **kwargs, **kwargs_group)
+
+
+def _muon(env: Env, arg: str, value: Any) -> None:
+    """``Muon(step_group=...)`` built and stepped; every rank makes every group (new_group is collective)."""
+    world, last = list(range(dist.get_world_size())), dist.get_world_size() - 1
+    everyone, first, alone, again = (
+        dist.new_group(world), dist.new_group([0]), dist.new_group([last]), dist.new_group(world)
+    )  # fmt: skip
+    group = {
+        "every rank's group": everyone,
+        "a group without this rank": first,
+        "a group of this rank alone": alone,
+        "another group of the same ranks": again,
+    }[value]
+    Muon(split_params(env.model), lr=0.02, step_group=group).step()
 
 
 def _save(env: Env, arg: str, value: Any, call: Callable[..., Any] = ckpt.save_checkpoint) -> None:
@@ -220,6 +251,7 @@ def _load_safetensors(env: Env, arg: str, value: Any) -> None:
 
 CALLS: dict[str, Callable[[Env, str, Any], None]] = {
     "step": _step,
+    "Muon": _muon,
     "qk_clip_": _qk_clip,
     "qk_clip_all_": _qk_clip_all,
     "save_checkpoint": _save,

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from muon_dtensor.checkpoint.arguments_agree import agree, agree_save
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_
+from muon_dtensor.checkpoint.arguments_agree import agree, agree_save
 from muon_dtensor.checks.together import raise_together
 from muon_dtensor.sharding.runtime.comm import CommStats, simulated, start_exchange
 from tests.harness.ranks import run_ranks
