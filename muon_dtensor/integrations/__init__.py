@@ -1,2 +1,3 @@
-"""Training stacks: the Hugging Face Trainer (``hf``). Lightning and torchtitan need no code here
-(docs/lightning.md, docs/torchtitan.md)."""
+"""Training stacks: the Hugging Face Trainer (``hf``), torchtitan's checkpointer (``torchtitan``),
+pipeline stages with torch's ``PipelineStage`` (``pipeline``). Lightning needs no code here
+(docs/lightning.md)."""
