@@ -211,7 +211,13 @@ def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
     assert not _compare(base, off, profile="bitwise", world_sizes=same)["passed"]
     assert _compare(base, off, profile="first_step_float", world_sizes=same)["passed"]
     assert not _compare(base, far, profile="first_step_float", world_sizes=same)["passed"]
-    assert _compare(base, far, profile="bf16_envelope", world_sizes=same)["passed"]
+    enveloped = _compare(base, far, profile="bf16_envelope", world_sizes=same)
+    assert enveloped["passed"] and "sum of the largest group lr" in enveloped["bound"]
+    assert enveloped["per_step"]["3"]["bound"] == 2.0**-8 * 0.5  # the bound it used: 2**-8 * lr 0.5
+    assert enveloped["optimizer_state"]["bound"] == 2.0**-8 * 1 * 1  # 2**-8 * max|x| * n
+    assert (
+        _compare(base, off, profile="first_step_float", world_sizes=same)["per_step"]["3"]["bound"] == 4 * ulp
+    )
     cause = _compare(base, off, profile="bitwise", world_sizes=same)["cause"]
     assert "gradients agree but the optimizer" in cause
     moved = _run({2: {"w": one}, 3: {"w": one}}, {"w": one})
