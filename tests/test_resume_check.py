@@ -248,3 +248,14 @@ def test_bad_input_is_refused_before_any_rank_starts() -> None:
     with pytest.raises(TypeError, match="train_step should be a module-level function"):
         run_resume_check(build, lambda *a: None, steps=4, save_at=2)
     assert list(micro_batches_for(1, 2, 4)) == [2, 3] and loss_scale(2, 4) == 0.5
+
+
+def test_api_md_lists_every_profile() -> None:
+    from muon_dtensor.tools.resume_check import PROFILES
+
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    line = next(x for x in api.splitlines() if x.startswith("- `PROFILES`: "))
+    listed = line.split("`(", 1)[1].split(")`", 1)[0]
+    assert tuple(x.strip().strip('"') for x in listed.split(",")) == PROFILES, line
+    resume = (Path(__file__).resolve().parent.parent / "docs" / "resume.md").read_text()
+    assert all(f"| `{p}` |" in resume for p in PROFILES)  # each profile's row of "which loops it fits"
