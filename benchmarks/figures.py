@@ -46,7 +46,31 @@ def momentum_memory() -> dict[str, Any]:
     return {"model": "llama3-8b", "layout": "FSDP over the GPUs", "gpus": list(GPUS), "momentum_bytes": table}
 
 
-COMPUTED: dict[str, Callable[[], dict[str, Any]]] = {"momentum_memory": momentum_memory}
+def plan_scaling() -> dict[str, Any]:
+    """``plan``'s predicted Muon step for Llama-3-8B and 70B on ``GPUS`` (FSDP, default H200-like
+    hardware), and its floor: the Newton-Schulz seconds spread evenly over the ranks (the busiest
+    rank's divided by the imbalance), below which no balance of owners can go."""
+    from muon_dtensor.planning.cli import parse_args, plan
+
+    out: dict[str, Any] = {"gpus": list(GPUS), "models": {}}
+    for model in ("llama3-8b", "llama3-70b"):
+        rows = {}
+        for g in GPUS:
+            p = plan(parse_args(["--model", model, "--gpus", str(g)]))
+            rows[str(g)] = {
+                "step_ms": p.total * 1e3,
+                "newton_schulz_ms": p.newton_schulz * 1e3,
+                "floor_ms": p.newton_schulz / p.imbalance * 1e3,
+                "comm_ms": p.comm * 1e3,
+            }
+        out["models"][model] = rows
+    return out
+
+
+COMPUTED: dict[str, Callable[[], dict[str, Any]]] = {
+    "momentum_memory": momentum_memory,
+    "plan_scaling": plan_scaling,
+}
 
 
 def draw_demo_resume(data: dict[str, Any], plt: Any) -> Any:
@@ -90,7 +114,29 @@ def draw_momentum_memory(data: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def draw_plan_scaling(data: dict[str, Any], plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gpus = data["gpus"]
+    for (model, rows), color in zip(data["models"].items(), ("tab:blue", "tab:red")):
+        ax.loglog(
+            gpus, [rows[str(g)]["step_ms"] for g in gpus], "o-", color=color, label=f"{model}: step", base=2
+        )
+        floor = [rows[str(g)]["floor_ms"] for g in gpus]
+        ax.loglog(gpus, floor, "--", color=color, label=f"{model}: FLOP floor", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ticks = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("GPUs (FSDP)")
+    ax.set_ylabel("Muon step (ms, predicted)")
+    ax.set_title("plan: Muon step against GPUs (H200 defaults)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Any], Any]]] = {
+    "plan_scaling": ("figure_plan_scaling.json", draw_plan_scaling),
     "demo_resume": ("demo_fsdp_2to1.json", draw_demo_resume),
     "momentum_memory": ("figure_momentum_memory.json", draw_momentum_memory),
 }
