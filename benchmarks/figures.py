@@ -67,7 +67,52 @@ def plan_scaling() -> dict[str, Any]:
     return out
 
 
+STEPS = 40  # the demo's default
+
+
+def train_losses(optimizer: str, folder: str) -> dict[str, float]:
+    """Rank function: the demo's model, data and FSDP2 layout (muon_dtensor.demo), ``STEPS`` steps with
+    the demo's Muon (Muon for the matrices, AdamW for the rest), or AdamW for every parameter at the
+    demo's AdamW settings; the global mean loss of each step."""
+    import torch
+
+    from muon_dtensor import Muon
+    from muon_dtensor.demo.run import BATCH
+    from muon_dtensor.demo.train import ADAMW, RunSpec, ShardedSession, TinyLM, train_step
+    from muon_dtensor.demo.data import corpus, tokens
+
+    torch.manual_seed(0)
+    session = ShardedSession(
+        TinyLM(RunSpec("muon_dtensor", "fsdp", STEPS, 2, BATCH // 2, folder).model), "fsdp"
+    )
+    if optimizer == "adamw":
+        named = list(session.model.named_parameters())
+        session.opt = Muon([{"params": named, "algorithm": "adamw", **ADAMW}])
+    spec = RunSpec("muon_dtensor", "fsdp", STEPS, 2, BATCH // 2, folder)
+    data = tokens(corpus())
+    return {str(step): train_step(session, data, step, spec) for step in range(1, STEPS + 1)}
+
+
+def muon_vs_adamw() -> dict[str, Any]:
+    """The demo's task at equal steps: Muon and AdamW, in one process and on 2 FSDP2 ranks (gloo)."""
+    import tempfile
+
+    import torch
+
+    from muon_dtensor.tools.testing import run_ranks
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for world in (1, 2):
+            for optimizer in ("muon", "adamw"):
+                runs[f"{optimizer}, {world} rank{'s' if world > 1 else ''}"] = run_ranks(
+                    train_losses, world, optimizer, folder, timeout=600
+                )[0]
+    return {"steps": STEPS, "torch": torch.__version__, "runs": runs}
+
+
 COMPUTED: dict[str, Callable[[], dict[str, Any]]] = {
+    "muon_vs_adamw": muon_vs_adamw,
     "momentum_memory": momentum_memory,
     "plan_scaling": plan_scaling,
 }
@@ -135,7 +180,26 @@ def draw_plan_scaling(data: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def draw_muon_vs_adamw(data: dict[str, Any], plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"muon": "tab:blue", "adamw": "tab:gray"}
+    for label, losses in data["runs"].items():
+        steps = [int(k) for k in losses]
+        style = "-" if label.endswith(" 1 rank") else "o"  # 2 ranks: markers, on the one-process line
+        ax.plot(
+            steps, list(losses.values()), style, color=styles[label.split(",")[0]], label=label, lw=1.5, ms=3
+        )
+    ax.set_xlabel("step (markers: the 2-rank runs, on the one-process lines)")
+    ax.set_ylabel("training loss")
+    ax.set_title("the demo's task: Muon against AdamW at equal steps (one process and 2-rank FSDP2)")
+    ax.title.set_fontsize(10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
+
+
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Any], Any]]] = {
+    "muon_vs_adamw": ("figure_muon_vs_adamw.json", draw_muon_vs_adamw),
     "plan_scaling": ("figure_plan_scaling.json", draw_plan_scaling),
     "demo_resume": ("demo_fsdp_2to1.json", draw_demo_resume),
     "momentum_memory": ("figure_momentum_memory.json", draw_momentum_memory),

@@ -21,7 +21,7 @@ def _sha(path: Path) -> str:
 
 
 def test_there_are_pictures() -> None:
-    assert {p.stem for p in PNGS} >= {"demo_resume", "momentum_memory", "plan_scaling"}
+    assert {p.stem for p in PNGS} >= {"demo_resume", "momentum_memory", "muon_vs_adamw", "plan_scaling"}
 
 
 @pytest.mark.parametrize("png", PNGS, ids=[p.stem for p in PNGS])
