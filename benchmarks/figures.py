@@ -77,9 +77,10 @@ def train_losses(optimizer: str, folder: str) -> dict[str, float]:
     import torch
 
     from muon_dtensor import Muon
-    from muon_dtensor.demo.run import BATCH
-    from muon_dtensor.demo.train import ADAMW, RunSpec, ShardedSession, TinyLM, train_step
     from muon_dtensor.demo.data import corpus, tokens
+    from muon_dtensor.demo.model import TinyLM
+    from muon_dtensor.demo.run import BATCH
+    from muon_dtensor.demo.train import ADAMW, RunSpec, ShardedSession, train_step
 
     torch.manual_seed(0)
     session = ShardedSession(
