@@ -5,6 +5,7 @@ A small transformer language model (named as torchtitan names its models: ``tok_
 model with the other stages' modules deleted, so parameter names stay the whole model's). Each stage
 is ``fully_shard``-ed on its row of a ("pp", "dp") mesh and gets its own
 ``muon_dtensor.Muon(split_params(part))``; ``torch.distributed.pipelining`` runs the GPipe schedule.
+The cut, the schedule, a stage's step and the merged step are ``muon_dtensor.integrations.pipeline``'s.
 The data is a generated corpus (no download), the same batch for a step in every run; each dp rank
 trains on its share of it. CPU only, gloo. Run from the repository root, with the package installed.
 
@@ -34,19 +35,26 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from muon_dtensor.demo.data import batch, corpus, tokens
 from muon_dtensor.demo.model import Block, ModelConfig
+from muon_dtensor.integrations.pipeline import (
+    even_prefixes,
+    keep_prefixes,
+    merged_step,
+    pipeline_step,
+    stage_schedule,
+)
 
 DIE_CODE = 3  # what every rank exits with at --die-at
 
@@ -99,14 +107,8 @@ def whole_model(args: argparse.Namespace) -> PipeLM:
 
 def cut(model: PipeLM, stage: int, stages: int) -> PipeLM:
     """Stage ``stage`` of ``stages``: the other stages' blocks, and the embedding or head, deleted."""
-    per = len(model.layers) // stages
-    for key in [k for k in model.layers if int(k) // per != stage]:
-        del model.layers[key]
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < stages - 1:
-        model.norm = model.output = None
-    return model
+    prefixes = even_prefixes(len(model.layers), stages, first=["tok_embeddings"], last=["norm", "output"])
+    return cast(PipeLM, keep_prefixes(model, prefixes[stage]))
 
 
 def shard(model: PipeLM, mesh: DeviceMesh) -> PipeLM:
@@ -146,19 +148,16 @@ class Stages:
         self.last = self.stage == args.pp - 1
         self.model = shard(cut(whole_model(args), self.stage, args.pp), self.mesh["dp"])
         self.opt = Muon(split_params(self.model), lr=args.lr)
-        pipe = PipelineStage(
-            self.model, self.stage, args.pp, torch.device("cpu"), group=self.mesh.get_group("pp")
-        )
-        self.schedule = ScheduleGPipe(pipe, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+        self.schedule = stage_schedule(
+            self.model, self.stage, args.pp, device=torch.device("cpu"), group=self.mesh.get_group("pp"),
+            n_microbatches=args.micro_batches, loss_fn=loss_fn,
+        )  # fmt: skip
 
     def step(self, rows: torch.Tensor) -> torch.Tensor:
         """One optimizer step; returns the mean of the micro-batches' losses (0 off the last stage)."""
-        self.opt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        inputs = (rows[:, :-1],) if self.stage == 0 else ()
-        self.schedule.step(*inputs, target=rows[:, 1:] if self.last else None, losses=losses)
-        self.opt.step()
-        return torch.stack(losses).sum() / len(losses) if self.last else torch.zeros(())
+        inputs = rows[:, :-1] if self.stage == 0 else None
+        loss = pipeline_step(self.schedule, self.opt, inputs, rows[:, 1:] if self.last else None)
+        return torch.zeros(()) if loss is None else loss
 
 
 class Merged:
@@ -171,22 +170,10 @@ class Merged:
         self.micro = args.micro_batches
 
     def step(self, rows: torch.Tensor) -> torch.Tensor:
-        """GPipe's arithmetic: the micro-batches' gradients accumulate unsharded and are reduced once,
-        after the last one (as ``PipelineStage`` runs FSDP), then divided by their count. Reducing
-        after every micro-batch (FSDP's default) sums the dp means, not the sums' mean: other bits."""
-        self.opt.zero_grad(set_to_none=True)
-        assert isinstance(self.model, FSDPModule)
-        losses = []
-        for i, micro in enumerate(rows.chunk(self.micro)):
-            self.model.set_requires_gradient_sync(i == self.micro - 1)
-            loss = loss_fn(self.model(micro[:, :-1]), micro[:, 1:])
-            loss.backward()
-            losses.append(loss.detach())
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(self.micro)
-        self.opt.step()
-        return torch.stack(losses).sum() / len(losses)
+        """GPipe's arithmetic (``merged_step``): the micro-batches' gradients reduced once, after the
+        last one, as ``PipelineStage`` runs FSDP2, then divided by their count."""
+        micro = [(m[:, :-1], m[:, 1:]) for m in rows.chunk(self.micro)]
+        return merged_step(self.model, self.opt, micro, loss_fn)
 
 
 def log(message: str) -> None:

@@ -8,6 +8,11 @@ second off the check).
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # The pure math loads at once: it checks MUON_DTENSOR_NS_BATCH at import, so a bad value stops
@@ -66,6 +71,57 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+# Module paths that moved in 0.2.0 (CHANGELOG.md): the old path imports the new module again, with a
+# DeprecationWarning naming it, for this one release; the aliases go in the next.
+MOVED = {
+    "hf": "integrations.hf",
+    "resume_check": "tools.resume_check",
+    "topology": "tools.topology",
+    "qk_clip": "features.qk_clip",
+    "qk_logits": "features.qk_logits",
+    **{m: f"numerics.{m}" for m in ("newton_schulz", "split_ns", "elementwise", "normuon")},
+    **{m: f"optim.{m}" for m in ("optimizer", "functional", "state", "policy", "report", "param_groups")},
+    **{m: f"checks.{m}" for m in ("validation", "preflight", "agreement", "step_checks")},
+    "_sharding": "sharding",
+    **{f"_sharding.{m}": f"sharding.plan.{m}" for m in ("blocks", "param_layout", "views", "routes", "runs")},
+    **{f"_sharding.{m}": f"sharding.plan.{m}" for m in ("gangs", "domains", "owners", "memory")},
+    "_sharding.plan": "sharding.plan.build",
+    **{f"_sharding.{m}": f"sharding.runtime.{m}" for m in ("comm", "groups", "exchange", "split_exchange")},
+    "_compat": "base.compat",
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old path of ``MOVED`` and loads it as the new module (the same module object)."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, Any] = {}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        old = fullname.removeprefix(__name__ + ".")
+        if old == fullname or old not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        new = f"{__name__}.{MOVED[spec.name.removeprefix(__name__ + '.')]}"
+        warnings.warn(
+            f"{spec.name} moved to {new} in 0.2.0; import {new} (the old path goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        module = importlib.import_module(new)
+        self.specs[module.__name__] = module.__spec__  # importlib sets the alias's spec on it next
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self.specs.pop(module.__name__, module.__spec__)  # the new module's own again
+
+
+if not any(isinstance(f, _Moved) for f in sys.meta_path):
+    sys.meta_path.insert(0, _Moved())
 
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).

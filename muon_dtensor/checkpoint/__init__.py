@@ -3,7 +3,7 @@ loading in ``loading``, what a load must fit in ``fit``, the key formats in ``ke
 in ``_fresh``), checksummed manifests (``manifest``) published atomically (``publish``), a folder
 read as data (``safe_read``), Hugging Face safetensors in and out (``safetensors``), each rank's own
 tensors in ``extra`` (``extra_tensors``), the arguments every rank agrees on (``arguments_agree``)
-over object gathers (``collectives``), and the shared dtypes, errors and warnings (``_dtypes``,
+and the ranks holding each saved entry (``holders``) over object gathers (``collectives``), and the shared dtypes, errors and warnings (``_dtypes``,
 ``_errors``, ``_warnings``). Row ``checkpoint/`` of docs/design.md's layer table."""
 
 from __future__ import annotations

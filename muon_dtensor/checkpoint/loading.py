@@ -41,11 +41,13 @@ from .keys import (
     part_states,
 )
 from .manifest import MANIFEST, CheckpointError, complete_steps, read_manifest, step_dir, verify_files
-from .safe_read import METADATA, SafeLoadPlanner, SafeReader, read_metadata
+from .safe_read import METADATA, SafeLoadPlanner, SafeReader, bytes_entries, read_entries, read_metadata
 
 __all__ = ["latest_step", "load_checkpoint"]
 
 log = logging.getLogger(__name__)
+# What torchtitan's CheckpointManager saves beside the model and the optimizer (its ``states`` keys).
+TITAN_ENTRIES = ("lr_scheduler", "train_state", "dataloader")
 _TITAN_STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -129,7 +131,10 @@ def load_checkpoint(
     (zero momentum, step 0). Whether optimizers are passed (and their types), ``optimizer_state``
     and ``step`` must be the same on every rank: a difference raises on every rank, naming the
     argument, before anything is read. ``root`` may also be a torchtitan checkpoint folder
-    (``step-<N>`` subfolders): its weights and optimizer state load the same way, unverified.
+    (``step-<N>`` subfolders): its weights and optimizer state load the same way, unverified, and
+    what torchtitan saved beside them comes back as plain data under its own keys (``lr_scheduler``,
+    ``train_state``, ``dataloader``: each a dict, as that object's ``state_dict()`` was; the
+    dataloader's values stay the bytes torchtitan pickled, never unpickled here).
     """
 
     def local() -> tuple[tuple[Parts, bool], dict[str, Any]]:
@@ -165,7 +170,23 @@ def load_checkpoint(
             "starts fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used",
             folder,
         )
-    return {"step": chosen, **fill(manifest.get("extra", {}), state)}
+    beside = titan_entries(folder, manifest["files"]) if titan else {}
+    return {"step": chosen, **beside, **fill(manifest.get("extra", {}), state)}
+
+
+def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
+    """torchtitan's non-model, non-optimizer entries (``TITAN_ENTRIES``) of ``folder``, nested by
+    their dotted keys, read as plain data by this rank alone (no collective, nothing unpickled but
+    ``torch.load(weights_only=True)``'s numbers, strings, bytes and containers)."""
+    metadata = read_metadata(folder, files)
+    out: dict[str, Any] = {}
+    for key, value in sorted(read_entries(folder, metadata, bytes_entries(metadata, TITAN_ENTRIES)).items()):
+        *path, last = key.split(".")
+        node = out
+        for name in path:
+            node = node.setdefault(name, {})
+        node[last] = value
+    return out
 
 
 def _check_and_read(

@@ -69,8 +69,7 @@ def check_params(group: Mapping[str, Any], names: Sequence[str]) -> None:
             _check_split_sizes(p, name, group)
             if group.get("normuon", False):
                 _check_normuon_param(p, name, group)
-            if group.get("momentum_dtype") == "int8":
-                _check_int8_param(p, name)
+    check_int8_layouts(group, names)
     if muon and group.get("head_dim") and (suspects := not_heads(names)):
         warn(
             f"head_dim={group['head_dim']} is set on a group holding {suspects}, whose rows are not "
@@ -104,34 +103,45 @@ def check_switched(group: Mapping[str, Any], names: Sequence[str]) -> None:
     local checks whenever they change (their failure raised on every rank together): an int8
     group's layouts, before its buffers convert, and a capturable group's devices (at construction
     a rank that alone passed ``capturable=True`` would raise alone, its peers waiting in the step)."""
-    int8 = group["algorithm"] == "muon" and group.get("momentum_dtype") == "int8"
-    capturable = group.get("capturable", False) is True
-    for p, name in zip(group["params"], names):
-        if int8:
-            _check_int8_param(p, name)
-        if capturable:
+    check_int8_layouts(group, names)
+    if group.get("capturable", False) is True:
+        for p, name in zip(group["params"], names):
             _check_capturable_param(p, name, group["lr"])
 
 
-def _check_int8_param(p: Tensor, name: str) -> None:
-    """int8 momentum keeps blocks of ``BLOCK`` columns whole on every shard, with each shard's block
-    maxima laid out as its blocks (``block_state_zeros``): a shard of the last dimension must start
-    on a block and end on one (or at the row's end)."""
+def check_int8_layouts(group: Mapping[str, Any], names: Sequence[str]) -> None:
+    """``_int8_problem`` for each parameter of an int8-momentum group, every refused one named in one
+    error, so one fix covers them all."""
+    if group["algorithm"] == "muon" and group.get("momentum_dtype") == "int8":
+        refused = [m for p, name in zip(group["params"], names) if (m := _int8_problem(p, name))]
+        if len(refused) == 1:
+            raise ValueError(refused[0])
+        if refused:
+            raise ValueError(
+                f"{len(refused)} parameters cannot keep momentum_dtype=torch.int8:\n"
+                + "\n".join(f"- {m}" for m in refused)
+            )
+
+
+def _int8_problem(p: Tensor, name: str) -> str | None:
+    """Why int8 momentum cannot hold ``p``, or None. It keeps blocks of ``BLOCK`` columns whole on
+    every shard, with each shard's block maxima laid out as its blocks (``block_state_zeros``): a
+    shard of the last dimension must start on a block and end on one (or at the row's end)."""
     if not isinstance(p, DTensor):
-        return
+        return None
     placements, last = tuple(p.placements), p.ndim - 1
     fix = (
         f"give that dimension ({p.shape[-1]} columns) shards of a multiple of {BLOCK} columns, or "
         "put the parameter in a group with a float momentum_dtype"
     )
     if any(isinstance(q, StridedShard) and q.dim == last for q in placements):
-        raise ValueError(
+        return (
             f"parameter '{name}' has placements {placements}: momentum_dtype=torch.int8 needs its last "
             f"dimension sharded by Shard, not interleaved by _StridedShard; {fix}"
         )
     shards = [s for s in shards_of(p, name)]
     if not any(s.dim == last for s in shards):
-        return
+        return None
     values, maxima = shard_blocks(p.shape, shards), shard_blocks(absmax_shape(p.shape), shards)
     for block, scales in zip(values, maxima):
         (start, end), (lo, hi) = block[last][0], scales[last][0]
@@ -139,7 +149,8 @@ def _check_int8_param(p: Tensor, name: str) -> None:
         if problem is None and (lo, hi) != (start // BLOCK, -(-end // BLOCK)) and start < end:
             problem = f"its block maxima would not be laid out as the shard holding columns [{start}, {end})"
         if problem is not None:
-            raise ValueError(f"parameter '{name}' has placements {placements}: {problem}; {fix}")
+            return f"parameter '{name}' has placements {placements}: {problem}; {fix}"
+    return None
 
 
 def _check_capturable_param(p: Tensor, name: str, lr: Any) -> None:

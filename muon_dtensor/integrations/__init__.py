@@ -1,3 +1,3 @@
-"""Training stacks: the Hugging Face Trainer (``hf``). Lightning and torchtitan need no code here
-(docs/lightning.md, docs/torchtitan.md). Row ``integrations/`` of
-docs/design.md's layer table."""
+"""Training stacks: the Hugging Face Trainer (``hf``), torchtitan's checkpointer (``torchtitan``),
+pipeline stages with torch's ``PipelineStage`` (``pipeline``). Lightning needs no code here
+(docs/lightning.md). Row ``integrations/`` of docs/design.md's layer table."""

@@ -271,7 +271,10 @@ def metrics(
         "adamw/tensors": float(sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")),
     }
     if reduce:
+        # summed over ranks, each tensor adds 1 / (ranks holding it): counted once, whatever the ranks
+        out["adamw/tensors"] = _adamw_share(opt, process_group)
         squares = _reduced(out, squares, process_group)
+        out["adamw/tensors"] = float(round(out["adamw/tensors"]))
     elements = out["muon/update_elements"]
     out = {"muon/update_rms": math.sqrt(squares / elements) if elements else 0.0, **out}
     if qk_clip:
@@ -293,6 +296,14 @@ def _reduced(out: dict[str, float], squares: float, group: dist.ProcessGroup | N
     out.update({k: float(v) for k, v in zip(_SUMMED, total[2:].tolist())})
     out["muon/ns_seconds"] = float(slowest[0])
     return float(total[0])
+
+
+def _adamw_share(opt: OptimizerView, group: dist.ProcessGroup | None) -> float:
+    """This rank's share of the AdamW tensors: 1 / its mesh's size for a DTensor (each rank of the
+    mesh holds a piece of it), 1 / the group's size for a plain tensor (replicated over the group)."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    params = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+    return sum(1.0 / (p.device_mesh.size() if isinstance(p, DTensor) else world) for p in params)
 
 
 def _default(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOAT32_ULP", "BF16_ULP", "GRADIENT_ENVELOPE", "ULPS_PER_STEP", "compare"]
+__all__ = ["BF16_ULP", "BOUNDS", "FLOAT32_ULP", "GRADIENT_ENVELOPE", "ULPS_PER_STEP", "compare"]
 
 FLOAT32_ULP = 2.0**-23  # ulp(x) <= 2**-23 * |x| for a normal float32 x
 BF16_ULP = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding <= 2**-8
@@ -45,18 +45,30 @@ def _tolerance(profile: str, ref: torch.Tensor, n: int, lr_sum: float, state: bo
     return BF16_ULP * (scale * n if state else lr_sum)
 
 
+# Each profile's bound, as the report states it (docs/resume.md, "Profiles").
+BOUNDS = {
+    "bitwise": "0: equal",
+    "same_gradients": "0: equal (the gradients' own bound is under 'gradients')",
+    "first_step_float": f"{ULPS_PER_STEP} * 2**-23 * max|x| * n (n: steps since the resume)",
+    "bf16_envelope": "parameters: 2**-8 * sum of the largest group lr over the resumed steps (update entries "
+    "at most lr; a clipped or rescaled update can exceed it); optimizer state: 2**-8 * max|x| * n",
+}
+
+
 def _judge(
     a: Tensors, b: Tensors, profile: str, n: int, lr_sum: float, state: bool = False
-) -> tuple[bool, float, str]:
-    """(every tensor within the profile, largest diff, its name)."""
+) -> tuple[bool, float, str, float]:
+    """(every tensor within the profile, largest diff, its name, that tensor's bound)."""
     ok = a.keys() == b.keys()
     for name, x in a.items():
         y = b.get(name)
         if y is None or y.shape != x.shape:
-            return False, math.inf, name
+            return False, math.inf, name, 0.0
         d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
         ok = ok and d <= _tolerance(profile, x, n, lr_sum, state)
-    return (ok, *_max_diff(a, b))
+    d, name = _max_diff(a, b)
+    bound = _tolerance(profile, a[name], n, lr_sum, state) if name in a else 0.0
+    return ok, d, name, bound
 
 
 def _per_step(
@@ -67,8 +79,8 @@ def _per_step(
     for step in sorted(straight["params"]):
         lr_sum += straight["lrs"].get(step, 0.0) if step > save_at else 0.0
         mine = resumed["params"].get(step, {})
-        ok, d, name = _judge(straight["params"][step], mine, profile, step - save_at, lr_sum)
-        per_step[str(step)] = {"max_diff": d, "tensor": name, "within": ok}
+        ok, d, name, bound = _judge(straight["params"][step], mine, profile, step - save_at, lr_sum)
+        per_step[str(step)] = {"max_diff": d, "tensor": name, "bound": bound, "within": ok}
     return per_step, lr_sum
 
 
@@ -85,11 +97,12 @@ def compare(
     grad_d, grad_name = _max_diff(*first_grads)
     out: dict[str, Any] = {
         "profile": profile,
+        "bound": BOUNDS[profile],
         "world_sizes": list(world_sizes),
         "per_step": per_step,
         "first_difference_step": first_diff,
         "first_failure_step": first_fail,
-        "optimizer_state": {"max_diff": state[1], "tensor": state[2], "within": state[0]},
+        "optimizer_state": {"max_diff": state[1], "tensor": state[2], "bound": state[3], "within": state[0]},
         "first_resumed_grads": {"step": save_at + 1, "max_diff": grad_d, "tensor": grad_name},
         "scheduler_equal": straight["scheduler"] == resumed["scheduler"],
         "rng_equal": straight["rng"] == resumed["rng"],

@@ -3,7 +3,7 @@
 given and the set of its type names, not on the list's text: ``[opt]`` on one rank and ``opt`` on
 another, or two virtual stages on one rank and one on another, were refused with "ranks disagree
 about optimizer: "['Muon']" on rank 0, 'Muon' on rank 1". A rank without an optimizer where the
-others pass one is still refused (tests/test_one_rank_differs.py)."""
+others pass one is still refused (tests/checks/test_one_rank_differs.py)."""
 
 from __future__ import annotations
 

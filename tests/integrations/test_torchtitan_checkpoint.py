@@ -34,7 +34,14 @@ TIMEOUT = 180.0
 
 def test_a_torchtitan_checkpoint_loads_through_load_checkpoint(tmp_path: Path) -> None:
     for rank, r in enumerate(run_ranks(titan_to_helpers, 2, str(tmp_path), timeout=TIMEOUT)):
-        assert r["step"] == {"step": SAVE_AT} and r["latest"] == SAVE_AT, (rank, r)
+        # torchtitan's entries beside the weights come back as plain data (no dataloader here: None)
+        expected = {
+            "step": SAVE_AT,
+            "lr_scheduler": {"last_epoch": SAVE_AT},
+            "train_state": {"step": SAVE_AT},
+        }
+        assert {k: v for k, v in r["step"].items() if k != "dataloader"} == expected, r["step"]
+        assert r["latest"] == SAVE_AT, (rank, r)
         assert r["restored"] == [] and r["entries"] == 5 * 2 + 7 * 4, (rank, r["restored"])
 
 

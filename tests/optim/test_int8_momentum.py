@@ -250,14 +250,25 @@ def _refusals(root: str) -> list[str]:
         ckpt.load_checkpoint(root, AsModule(params), opt8)
     except ckpt.CheckpointError as e:
         errors.append(str(e))
+    q = nn.Parameter(distribute_tensor(torch.randn(8, 260), mesh, [Shard(1)]))  # 130 columns each
+    try:  # every refused matrix in one error, the fine one not
+        Muon(
+            [("w", p), ("fine", nn.Parameter(torch.randn(4, 4))), ("u", q)],
+            lr=0.02,
+            momentum_dtype=torch.int8,
+        )
+    except ValueError as e:
+        errors.append(str(e))
     dist.barrier()
     return errors
 
 
 def test_a_shard_that_cuts_a_block_and_a_float_checkpoint_are_refused_on_every_rank(tmp_path: Path) -> None:
     for errors in run_ranks(_refusals, 2, str(tmp_path), timeout=60):
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert errors[0] == errors[1] == errors[2] and "parameter 'w'" in errors[0], errors
+        assert errors[4].startswith("2 parameters cannot keep momentum_dtype=torch.int8"), errors[4]
+        assert "parameter 'w'" in errors[4] and "parameter 'u'" in errors[4] and "'fine'" not in errors[4]
         assert "columns [0, 150) of 300" in errors[0] and "multiple of 256 columns" in errors[0], errors[0]
         assert "'a' float32 -> int8" in errors[3] and "Nothing was loaded" in errors[3], errors[3]
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, qk_clip_all_
 from tests.harness.ranks import run_ranks
@@ -61,9 +62,15 @@ def fsdp_figures() -> tuple[dict[str, float], float, dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in _params(gen)]
-    opt = Muon(params, lr=LR, weight_decay=WD)
+    # AdamW: a sharded bias and a replicated plain tensor, each one tensor of the job
+    adamw = [nn.Parameter(distribute_tensor(torch.randn(4, generator=gen), mesh, [Shard(0)]))]
+    adamw.append(nn.Parameter(torch.randn(3, generator=gen)))
+    groups: list[dict[str, Any]] = [{"params": params}, {"params": adamw, "algorithm": "adamw"}]
+    opt = Muon(groups, lr=LR, weight_decay=WD)
     for p in params:
         p.grad = distribute_like(p, torch.randn(p.shape, generator=gen))
+    for p in adamw:
+        p.grad = distribute_like(p, torch.ones(p.shape)) if isinstance(p, DTensor) else torch.ones(p.shape)
     before = [full(p.detach()).clone() for p in params]
     opt.step()
     mine, job = opt.metrics(), opt.metrics(reduce=True)
@@ -89,6 +96,7 @@ def test_reduce_gives_every_rank_the_jobs_figures() -> None:
     assert math.isclose(job["muon/update_rms"], measured, rel_tol=1e-4)
     assert job["muon/update_elements"] == sum(math.prod(s) for s in SHAPES)
     assert job["muon/orthogonalized"] == len(SHAPES)
+    assert job["adamw/tensors"] == 2.0  # counted once, not once per rank (it was 4.0)
     assert job["muon/bytes_sent"] == sum(m["muon/bytes_sent"] for m, _, _ in results)
 
 

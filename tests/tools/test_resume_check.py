@@ -211,7 +211,13 @@ def test_profiles_bound_the_difference_by_the_arithmetic() -> None:
     assert not _compare(base, off, profile="bitwise", world_sizes=same)["passed"]
     assert _compare(base, off, profile="first_step_float", world_sizes=same)["passed"]
     assert not _compare(base, far, profile="first_step_float", world_sizes=same)["passed"]
-    assert _compare(base, far, profile="bf16_envelope", world_sizes=same)["passed"]
+    enveloped = _compare(base, far, profile="bf16_envelope", world_sizes=same)
+    assert enveloped["passed"] and "sum of the largest group lr" in enveloped["bound"]
+    assert enveloped["per_step"]["3"]["bound"] == 2.0**-8 * 0.5  # the bound it used: 2**-8 * lr 0.5
+    assert enveloped["optimizer_state"]["bound"] == 2.0**-8 * 1 * 1  # 2**-8 * max|x| * n
+    assert (
+        _compare(base, off, profile="first_step_float", world_sizes=same)["per_step"]["3"]["bound"] == 4 * ulp
+    )
     cause = _compare(base, off, profile="bitwise", world_sizes=same)["cause"]
     assert "gradients agree but the optimizer" in cause
     moved = _run({2: {"w": one}, 3: {"w": one}}, {"w": one})
@@ -242,3 +248,14 @@ def test_bad_input_is_refused_before_any_rank_starts() -> None:
     with pytest.raises(TypeError, match="train_step should be a module-level function"):
         run_resume_check(build, lambda *a: None, steps=4, save_at=2)
     assert list(micro_batches_for(1, 2, 4)) == [2, 3] and loss_scale(2, 4) == 0.5
+
+
+def test_api_md_lists_every_profile() -> None:
+    from muon_dtensor.tools.resume_check import PROFILES
+
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    line = next(x for x in api.splitlines() if x.startswith("- `PROFILES`: "))
+    listed = line.split("`(", 1)[1].split(")`", 1)[0]
+    assert tuple(x.strip().strip('"') for x in listed.split(",")) == PROFILES, line
+    resume = (Path(__file__).resolve().parent.parent / "docs" / "resume.md").read_text()
+    assert all(f"| `{p}` |" in resume for p in PROFILES)  # each profile's row of "which loops it fits"
