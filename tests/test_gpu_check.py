@@ -27,9 +27,31 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "skipped", "error"}
 
 
+def device_command() -> str:
+    """The one line benchmarks/README.md gives for the GPU machine."""
+    lines = [ln.strip() for ln in (ROOT / "benchmarks" / "README.md").read_text().splitlines()]
+    (line,) = [ln for ln in lines if "benchmarks/gpu_check.py" in ln and ln.startswith("PYTHONPATH=")]
+    return line
+
+
 def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="")
-    return background.run([sys.executable, str(SCRIPT), *args], env=env, cwd=ROOT, timeout=120)
+    """The README's line as it stands, with ``args`` appended, run by bash from the repository root
+    with this interpreter as its ``python3``, ``$OUT`` set and no CUDA device."""
+    bin_dir = out / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    wrapper = bin_dir / "python3"  # a script, not a link: a venv's interpreter finds its venv by its path
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="", PYTHONPATH="")
+    env["PATH"] = f"{bin_dir}:{env.get('PATH', '')}"
+    line = " ".join([device_command(), *args])
+    return background.run(["bash", "-c", line], env=env, cwd=ROOT, timeout=120)
+
+
+def test_the_device_command_is_one_line_importing_from_the_tree() -> None:
+    line = device_command()
+    assert line.startswith("PYTHONPATH=$PWD timeout ") and '--out "$OUT/gpu_check.json"' in line
+    assert int(line.split()[2]) < 600  # inside the device machine's 10-minute command limit
 
 
 @background.job("gpu_check_dry_run")
