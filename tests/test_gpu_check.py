@@ -121,7 +121,15 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(gpu_check_dry_run: tuple[Any, d
 def test_step_part_counts_ops_and_host_time(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
     result = gpu_check_dry_run[1]["parts"]["c"]["result"]
     assert result["host_model_us_per_op"] == pytest.approx(5.0)
-    assert set(result["contenders"]) == {"muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused"}
+    assert set(result["contenders"]) == {
+        "muon_dtensor.Muon",
+        "torch.optim.Muon",
+        "torch.optim.AdamW fused",
+    } | {
+        "muon_dtensor.Muon bf16 momentum",
+        "muon_dtensor.Muon int8 momentum",
+        'muon_dtensor.Muon ns_algorithm="aol"',
+    }
     for label, row in result["contenders"].items():
         assert "error" not in row, row
         assert row["ops"] > 0, label
@@ -129,6 +137,9 @@ def test_step_part_counts_ops_and_host_time(gpu_check_dry_run: tuple[Any, dict[s
         assert row["device_ms"] is None  # no CUDA events on CPU
         assert "skipped" in row["sync_check"]
     assert result["contenders"]["muon_dtensor.Muon"]["top_op_names"]
+    for label in ("bf16 momentum", "int8 momentum", 'ns_algorithm="aol"'):
+        diff = result["contenders"][f"muon_dtensor.Muon {label}"]["max_abs_param_diff_to_float32_momentum"]
+        assert math.isfinite(diff), label
 
 
 @pytest.mark.slow

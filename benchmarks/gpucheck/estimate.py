@@ -107,8 +107,8 @@ def step_seconds(s: Settings) -> float:
 
 def estimate_c(s: Settings) -> float:
     steps = 1 + s.warmup + s.step_reps + 1  # the first, warmup, timed, sync check (profiled: warmup)
-    muon = 2 * steps * step_seconds(s)  # muon_dtensor and torch.optim.Muon
-    return muon + steps * ALLOWANCES_S["host_step"] + 3 * ALLOWANCES_S["profile"]
+    muon = 5 * steps * step_seconds(s)  # muon_dtensor (float32, bf16, int8 momentum; AOL), torch.optim.Muon
+    return muon + steps * ALLOWANCES_S["host_step"] + 6 * ALLOWANCES_S["profile"]
 
 
 def estimate_d(s: Settings) -> float:
