@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,26 @@ def test_full_run_without_cuda_exits_2(
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr
     assert not wrote
+
+
+def test_a_part_past_the_budget_is_stopped_and_the_next_skipped() -> None:
+    """``--budget-s`` is a deadline: a part still running when it ends is stopped (its per-case
+    ``except Exception`` does not swallow the stop), and a part after it does not start."""
+    from benchmarks.gpucheck.common import run_part
+    from benchmarks.gpucheck.estimate import dry_settings
+
+    def slow_cases(_: Any) -> dict[str, Any]:
+        for _ in range(50):
+            try:
+                time.sleep(0.1)
+            except Exception:  # noqa: BLE001, S112 - a part's per-case handler
+                continue
+        return {}
+
+    settings = dry_settings(0.5)
+    start = time.perf_counter()
+    late = run_part("late", slow_cases, settings)
+    assert late["status"] == "error" and "--budget-s" in late["error"], late
+    assert time.perf_counter() - start < 3.0
+    after = run_part("after", slow_cases, settings)
+    assert after["status"] == "skipped" and "--budget-s" in after["reason"], after
