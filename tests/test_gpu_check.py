@@ -214,3 +214,34 @@ def test_a_part_past_the_budget_is_stopped_and_the_next_skipped() -> None:
     assert time.perf_counter() - start < 3.0
     after = run_part("after", slow_cases, settings)
     assert after["status"] == "skipped" and "--budget-s" in after["reason"], after
+
+
+def test_gpu_ns_records_a_failing_case_and_writes_after_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """gpu_ns.py without a GPU, its measuring functions stood in for: a case that raises is
+    recorded and the others still run; the JSON is there after the first case already."""
+    from benchmarks import gpu_ns
+
+    out = tmp_path / "gpu_ns.json"
+    seen: list[bool] = []
+
+    def run_case(
+        shape: tuple[int, int], batch: int, compiled: bool, reps: int, peak: float
+    ) -> dict[str, Any]:
+        seen.append(out.exists())
+        if compiled:
+            raise RuntimeError("compile failed")
+        return {"shape": list(shape), "batch": batch, "compiled": False, "tflops": 1.0, "finite": True}
+
+    monkeypatch.setattr(gpu_ns, "require_cuda", lambda: None)
+    monkeypatch.setattr(gpu_ns, "system_info", lambda: {"gpu": "none"})
+    monkeypatch.setattr(gpu_ns, "matmul_peak", lambda reps: {"tflops": 2.0})
+    monkeypatch.setattr(gpu_ns, "run_case", run_case)
+    monkeypatch.setattr(gpu_ns, "format_table", lambda *a: "")
+    monkeypatch.setattr(gpu_ns, "goal_verdict", lambda rows: {})
+    gpu_ns.main(["--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert len(payload["rows"]) == len(payload["errors"]) == len(gpu_ns.SHAPES)
+    assert all("compile failed" in e["error"] for e in payload["errors"])
+    assert payload["verdict"] == "FAIL" and all(seen)
