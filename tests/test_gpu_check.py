@@ -116,6 +116,8 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(gpu_check_dry_run: tuple[Any, d
         assert r["standard_equivalent_tflops"] == pytest.approx(standard)
         assert r["fraction_of_peak"] == pytest.approx(r["tflops"] / peak["tflops"])
         assert r["finite"]
+    ones = [r for r in rows if r["batch_of_one"]]  # the step's own calls: one matrix each
+    assert ones and all(r["batch"] == 1 and r["algorithm"] == "standard" for r in ones), ones
 
 
 @pytest.mark.slow

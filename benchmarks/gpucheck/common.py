@@ -71,6 +71,9 @@ class Settings:
     reserve_s: float = 0.0  # seconds kept for the parts after the running one (part b's compiles)
     started: float = field(default_factory=time.perf_counter)
     trims: list[str] = field(default_factory=list)
+    # part b's batch-1 rows: the step orthogonalizes one matrix per call where a matrix fills an
+    # exchange round (4 MiB, DEFAULT_ROUND_BYTES; every Llama-3-8B weight is 8-112 MiB)
+    b_one_shapes: list[Shape] = field(default_factory=list)
 
     @property
     def cuda(self) -> bool:

@@ -94,20 +94,24 @@ def run_case(
     }
 
 
-def cases(settings: Settings) -> list[tuple[Shape, str, bool]]:
-    """(shape, algorithm, compiled) to run: Gram only where it changes the evaluation; compiled
-    only for ``b_compile_shapes`` and with compile on, after every eager case (compile times are
-    the least predictable part of the run)."""
+def cases(settings: Settings) -> list[tuple[Shape, str, bool, bool]]:
+    """(shape, algorithm, compiled, batch of one) to run: Gram only where it changes the
+    evaluation; then one matrix per call at ``b_one_shapes`` (the step's real calls at Llama
+    sizes); compiled only for ``b_compile_shapes`` and with compile on, after every eager case
+    (compile times are the least predictable part of the run)."""
     gram = ns_config("gram")
     eager = [
-        (s, a, False)
+        (s, a, False, False)
         for s in settings.b_shapes
         for a in ("standard", "gram")
         if a == "standard" or uses_gram(s, gram)
     ]
+    eager += [(s, "standard", False, True) for s in settings.b_one_shapes]
     if not settings.compile:
         return eager
-    return eager + [(s, a, True) for s, a, _ in eager if s in settings.b_compile_shapes]
+    return eager + [
+        (s, a, True, False) for s, a, _, one in eager if s in settings.b_compile_shapes and not one
+    ]
 
 
 def part_b(settings: Settings) -> dict[str, Any]:
@@ -115,15 +119,15 @@ def part_b(settings: Settings) -> dict[str, Any]:
     peak = matmul_peak(settings.reps, settings.peak_n, settings.device)
     print(f"  matmul peak {peak['tflops']:.4g} TFLOP/s ({peak['clock']})", flush=True)
     rows: list[dict[str, Any]] = []
-    for shape, algorithm, compiled in cases(settings):
-        label = {"shape": list(shape), "algorithm": algorithm, "compiled": compiled}
+    for shape, algorithm, compiled, one in cases(settings):
+        label = {"shape": list(shape), "algorithm": algorithm, "compiled": compiled, "batch_of_one": one}
         if settings.left_s() - settings.reserve_s < (60 if compiled else 15):
             rows.append(label | {"skipped": "--budget-s spent"})
             continue
-        batch = batch_size(shape, peak["tflops"], settings.target_ms, ns_config(algorithm))
+        batch = 1 if one else batch_size(shape, peak["tflops"], settings.target_ms, ns_config(algorithm))
         try:
             rows.append(run_case(shape, batch, compiled, settings.reps, peak["tflops"], algorithm,
-                                 settings.device, settings.warmup))  # fmt: skip
+                                 settings.device, settings.warmup) | {"batch_of_one": one})  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one case's failure is recorded, the rest run
             rows.append(label | {"batch": batch, "error": error_text(exc)})
         if settings.cuda:
