@@ -118,6 +118,7 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(gpu_check_dry_run: tuple[Any, d
         assert r["finite"]
     ones = [r for r in rows if r["batch_of_one"]]  # the step's own calls: one matrix each
     assert ones and all(r["batch"] == 1 and r["algorithm"] == "standard" for r in ones), ones
+    assert all(r["host_over_device"] == pytest.approx(r["host_issue_ms"] / r["median_ms"]) for r in ones)
 
 
 @pytest.mark.slow

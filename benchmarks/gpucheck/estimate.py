@@ -92,6 +92,8 @@ def estimate_b(s: Settings) -> float:
         batch = 1 if one else batch_size(shape, ASSUMED_TFLOPS, s.target_ms, config)
         call = seconds(batch * orthogonalize_flops(shape, config))
         total += (1 + s.warmup + s.reps) * (call + ALLOWANCES_S["call"])
+        if one:  # and its host-issue timing (ns_speed.host_against_device)
+            total += (s.warmup + s.reps) * (call + ALLOWANCES_S["call"])
         if is_compiled:
             total += ALLOWANCES_S["compile_first" if compiled == 0 else "compile_each"]
             compiled += 1
