@@ -73,13 +73,16 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_host.json"
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self) -> None:
+    """The Llama-shaped layer at ``width`` (GQA k, v at half of it, the MLP at three times it)."""
+
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(WIDTH), nn.RMSNorm(WIDTH)
-        self.q, self.o = nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
-        self.k, self.v = nn.Linear(WIDTH, KV, bias=False), nn.Linear(WIDTH, KV, bias=False)
-        self.gate, self.up = nn.Linear(WIDTH, FFN, bias=False), nn.Linear(WIDTH, FFN, bias=False)
-        self.down = nn.Linear(FFN, WIDTH, bias=False)
+        kv, ffn = width * KV // WIDTH, width * FFN // WIDTH
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.q, self.o = nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False)
+        self.k, self.v = nn.Linear(width, kv, bias=False), nn.Linear(width, kv, bias=False)
+        self.gate, self.up = nn.Linear(width, ffn, bias=False), nn.Linear(width, ffn, bias=False)
+        self.down = nn.Linear(ffn, width, bias=False)
 
 
 class SquareLayer(nn.Module):  # four 16 x 16 matrices, for the many-matrices case
@@ -89,24 +92,23 @@ class SquareLayer(nn.Module):  # four 16 x 16 matrices, for the many-matrices ca
 
 
 class Model(nn.Module):
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], width: int = WIDTH) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.embed = nn.Embedding(VOCAB, width)
         self.layers = nn.ModuleList(layers)
-        self.norm = nn.RMSNorm(WIDTH)
-        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.norm = nn.RMSNorm(width)
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
 
 
-def sharded_model(layers: int, kind: str = "llama") -> nn.Module:
-    """Inside a rank: a seeded model, ``fully_shard`` per layer and on the root, seeded gradients
-    laid out as FSDP2 lays them out (``fsdp_grad``)."""
+def sharded_model(layers: int, kind: str = "llama", width: int = WIDTH) -> nn.Module:
+    """Inside a rank: a seeded model (Llama layers at ``width``), ``fully_shard`` per layer and on
+    the root, seeded gradients laid out as FSDP2 lays them out (``fsdp_grad``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    make = LlamaLayer if kind == "llama" else SquareLayer
-    model = Model([make() for _ in range(layers)])
+    model = Model([LlamaLayer(width) if kind == "llama" else SquareLayer() for _ in range(layers)], width)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -125,10 +127,11 @@ def fsdp_grad(p: Any) -> Any:
     return DTensor(torch.randn(p._local_tensor.shape), p._spec, requires_grad=False)
 
 
-def optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+def optimizers(model: nn.Module, **muon_options: Any) -> dict[str, torch.optim.Optimizer]:
+    """Muon (with ``muon_options``) on the matrices and AdamW on the rest, and AdamW on all."""
     from muon_dtensor import Muon, split_params
 
-    muon = Muon(split_params(model, adamw_options=dict(ADAMW_OPTIONS)), lr=0.02)
+    muon = Muon(split_params(model, adamw_options=dict(ADAMW_OPTIONS)), lr=0.02, **muon_options)
     return {"muon": muon, "adamw": torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW_OPTIONS)}
 
 
@@ -209,12 +212,18 @@ def timed_steps(opts: dict[str, torch.optim.Optimizer], steps: int) -> dict[str,
     return times
 
 
-def rank_counts(layers: list[int], path: str, warmup: int = 2) -> dict[int, dict[str, Any]]:
-    """Inside a rank: the Muon step's counts on ``path`` at each depth (what tests/numerics/test_host_ops.py
-    checks)."""
+def rank_counts(
+    layers: list[int],
+    path: str,
+    warmup: int = 2,
+    width: int = WIDTH,
+    muon_options: dict[str, Any] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Inside a rank: the Muon step's counts on ``path`` at each depth, Llama layers at ``width``,
+    Muon with ``muon_options`` (what tests/numerics/test_host_ops.py checks)."""
     out = {}
     for n in layers:
-        muon = optimizers(sharded_model(n))["muon"]
+        muon = optimizers(sharded_model(n, width=width), **(muon_options or {}))["muon"]
         with ns_batch(path):
             for _ in range(warmup):
                 muon.step()

@@ -100,7 +100,7 @@ def muon_vs_adamw() -> dict[str, Any]:
 
     import torch
 
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     runs = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -7,13 +7,18 @@ failing part records its error and the others still run):
      the first, middle and last position, bit for bit; and through torch.optim.Muon's path;
   b. Newton-Schulz TFLOP/s against the measured bf16 matmul peak, standard and Gram, eager and
      compiled (``--no-compile`` skips compiling; the logic of gpu_ns.py);
-  c. one-GPU step: muon_dtensor.Muon, torch.optim.Muon and fused AdamW on two Llama-3-8B layers:
-     step, host and device time, eager ops, host time per op against the 5 us host model;
-  d. CUDA-graph capture of a steady muon_dtensor.Muon step with the lr changing every step;
+  c. one-GPU step: muon_dtensor.Muon (float32, bf16 and int8 momentum, and ns_algorithm="aol"),
+     torch.optim.Muon and fused AdamW on two Llama-3-8B layers: step, host and device time, peak
+     memory, eager ops, host time per op against the 5 us host model;
+  d. CUDA-graph capture of a steady muon_dtensor.Muon step with the lr changing every step, the
+     expected outcome beside each variant, the one expected to fail last;
   e. with 2+ GPUs: FSDP2 and HSDP steps against one process, bitwise, and no host sync.
 
 At start it prints its time estimate (from the shapes' flops at an assumed bf16 rate, see
-``benchmarks/gpucheck/estimate.py``) and trims repetitions to fit ``--budget-s``. Part b runs after
+``benchmarks/gpucheck/estimate.py``) and trims repetitions to fit ``--budget-s``. The budget is
+also a deadline: a part still running when it ends is stopped (recorded as an error) and the parts
+after it are skipped, each with its JSON written. The one-line command for the GPU machine is in
+``benchmarks/README.md``. Part b runs after
 c, and its compiled cases last, within what the later parts leave. Writes ``$OUT/gpu_check.json``
 when OUT is set, else ``benchmarks/results/gpu_check.json``, and prints a short table. Exit status:
 0 when every part ran or was skipped, 1 when a part failed, 2 without CUDA (and no ``--dry-run``).

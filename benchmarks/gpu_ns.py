@@ -11,6 +11,8 @@ matrices (4096^2 and 4096x14336).
 The measuring functions live in ``benchmarks/gpucheck/ns_speed.py``, which ``gpu_check.py`` (part
 b) runs with the Gram form and Llama-3 shapes too; this script is the standard form alone.
 
+Each case runs in its own try/except (a failing case is recorded under ``errors`` and the others
+still run); the JSON is rewritten after every case; no case starts after ``--budget-s`` seconds.
 Exits with status 2 and a message on stderr when no CUDA device is present.
 
 Examples, from the repository root::
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-ms", type=float, default=100.0, help="time of one call at peak (100)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per case (10)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many s (420)")
     p.add_argument(
         "--out", type=Path, default=None, help="JSON file ($OUT/gpu_ns.json or benchmarks/results)"
     )
@@ -92,31 +96,44 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     require_cuda()
     torch.manual_seed(0)
-    peak = matmul_peak(args.reps)
+    started = time.perf_counter()
+    path = output_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {**system_info(), "budget_s": args.budget_s, "rows": [], "errors": []}
+
+    def save() -> None:  # after every case: a run stopped early keeps what it measured
+        payload["elapsed_s"] = round(time.perf_counter() - started, 1)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+
+    peak = payload["peak"] = matmul_peak(args.reps)
+    save()
     print(f"peak: {peak['tflops']:.1f} TFLOP/s", flush=True)
-    rows = []
+    rows, errors = payload["rows"], payload["errors"]
     for shape in SHAPES:
-        batch = batch_size(shape, peak["tflops"], args.target_ms)
         for compiled in (False,) if args.no_compile else (False, True):
-            rows.append(run_case(shape, batch, compiled, args.reps, peak["tflops"]))
+            case = {"shape": list(shape), "compiled": compiled}
+            if time.perf_counter() - started > args.budget_s:
+                errors.append(case | {"skipped": "--budget-s spent"})
+                continue
+            try:
+                batch = batch_size(shape, peak["tflops"], args.target_ms)
+                rows.append(run_case(shape, batch, compiled, args.reps, peak["tflops"]))
+                print(
+                    f"{shape} batch {batch} compiled={compiled}: {rows[-1]['tflops']:.1f} TFLOP/s", flush=True
+                )
+            except Exception as exc:  # noqa: BLE001 - one case's failure is recorded, the others run
+                errors.append(case | {"error": f"{type(exc).__name__}: {exc}"})
+                print(f"{shape} compiled={compiled}: {errors[-1]['error']}", flush=True)
             torch.cuda.empty_cache()
-            print(f"{shape} batch {batch} compiled={compiled}: {rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
-    verdict = goal_verdict(rows)
+            save()
+    verdict = payload["goal"] = goal_verdict(rows)
     print(format_table(peak["tflops"], rows, PEAK_N))
-    ok = all(verdict.values()) and all(r["finite"] for r in rows)
+    ok = all(verdict.values()) and all(r["finite"] for r in rows) and not errors
     print(
         ("PASS: " if ok else "FAIL: ") + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in verdict.items())
     )
-    path = output_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        **system_info(),
-        "peak": peak,
-        "rows": rows,
-        "goal": verdict,
-        "verdict": "PASS" if ok else "FAIL",
-    }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    payload["verdict"] = "PASS" if ok else "FAIL"
+    save()
     print(f"results written to {path}")
 
 

@@ -11,7 +11,8 @@
 #
 # The venv is deleted afterwards (a CUDA build of torch is several GB) unless KEEP_VENV=1 or
 # VENV_DIR was given and existed before. The full pytest log is kept at $LOG (default: a temp
-# file, printed). Extra pytest arguments can go in PYTEST_ARGS. Exit status: pytest's, or 2 for a
+# file, printed). FAST=1 runs the fast tier (`-m "not slow"`). Extra pytest arguments can go in
+# PYTEST_ARGS (split on spaces). Exit status: pytest's, or 2 for a
 # failed install, 3 when installing the package replaced the requested torch.
 set -euo pipefail
 
@@ -65,8 +66,10 @@ pyver=$("$venv/bin/python" -c 'import platform; print(platform.python_version())
 
 start=$(date +%s)
 set +e
+tier=()
+[[ ${FAST:-0} == 1 ]] && tier=(-m "not slow")
 # shellcheck disable=SC2086
-(cd "$repo" && "$venv/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-}) >"$log" 2>&1
+(cd "$repo" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tier[@]}" ${PYTEST_ARGS:-}) >"$log" 2>&1
 rc=$?
 set -e
 wall=$(( $(date +%s) - start ))
@@ -76,5 +79,5 @@ tail -n 30 "$log"
 # With -q the "=" frame is left off; `|| true`: a log with no such line must still reach the summary.
 summary=$({ grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s' "$log" \
     || grep -E 'no tests ran' "$log" || true; } | tail -n 1 | sed -E 's/^=+ //; s/ in [0-9.]+s.*$//; s/ =+$//')
-say "torch $after (python $pyver): ${summary:-no pytest summary, exit $rc}; ${wall} s; $(date -u +%F)"
+say "torch $after (python $pyver)${tier:+, fast tier}: ${summary:-no pytest summary, exit $rc}; ${wall} s; $(date -u +%F)"
 exit "$rc"

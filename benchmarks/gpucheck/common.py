@@ -6,6 +6,7 @@ events, so a part that reports times uses ``time.perf_counter`` there and says s
 
 from __future__ import annotations
 
+import signal
 import statistics
 import time
 import traceback
@@ -70,6 +71,9 @@ class Settings:
     reserve_s: float = 0.0  # seconds kept for the parts after the running one (part b's compiles)
     started: float = field(default_factory=time.perf_counter)
     trims: list[str] = field(default_factory=list)
+    # part b's batch-1 rows: the step orthogonalizes one matrix per call where a matrix fills an
+    # exchange round (4 MiB, DEFAULT_ROUND_BYTES; every Llama-3-8B weight is 8-112 MiB)
+    b_one_shapes: list[Shape] = field(default_factory=list)
 
     @property
     def cuda(self) -> bool:
@@ -130,19 +134,52 @@ def error_text(exc: BaseException) -> str:
     return text if len(text) < 4000 else text[:1000] + "\n...\n" + text[-3000:]
 
 
+class DeadlinePassed(BaseException):
+    """``--budget-s`` ran out while a part ran. A BaseException: a part's per-case ``except
+    Exception`` must not swallow it and go on to its next case."""
+
+
+def _deadline(signum: int, frame: Any) -> None:
+    raise DeadlinePassed("--budget-s ran out during this part")
+
+
+def _alarm(seconds: float) -> bool:
+    """Raise ``DeadlinePassed`` in the main thread after ``seconds`` (0: cancel); False where
+    there is no interval timer (not POSIX, or not the main thread)."""
+    if not hasattr(signal, "setitimer"):
+        return False
+    try:
+        if seconds:
+            signal.signal(signal.SIGALRM, _deadline)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    except ValueError:  # not the main thread
+        return False
+    return True
+
+
 def run_part(name: str, fn: Callable[[Settings], dict[str, Any]], settings: Settings) -> dict[str, Any]:
-    """Run one part; never raises. ``status`` is ok, skipped (with ``reason``) or error (with
-    ``error``); ``seconds`` its wall time."""
+    """Run one part within what is left of ``--budget-s``; never raises. ``status`` is ok,
+    skipped (with ``reason``; also when the budget is spent before it starts) or error (with
+    ``error``; also when the budget runs out during it); ``seconds`` its wall time."""
+    if settings.left_s() <= 0:
+        print(f"[{name}] skipped: --budget-s spent", flush=True)
+        return {"status": "skipped", "reason": "--budget-s spent before this part", "seconds": 0.0}
     print(f"[{name}] running ({settings.left_s():.0f} s of budget left)", flush=True)
     start = time.perf_counter()
+    timed = _alarm(max(settings.left_s(), 1e-3))
     try:
         entry: dict[str, Any] = {"status": "ok", "result": fn(settings)}
+    except DeadlinePassed as late:
+        entry = {"status": "error", "error": str(late)}
     except Skipped as why:
         entry = {"status": "skipped", "reason": str(why.args[0])}
         if why.args[1:]:
             entry["result"] = why.args[1]
     except Exception as exc:  # noqa: BLE001 - a failing part is a result; the others still run
         entry = {"status": "error", "error": error_text(exc)}
+    finally:
+        if timed:
+            _alarm(0)
     if settings.cuda:
         torch.cuda.empty_cache()
     entry["seconds"] = round(time.perf_counter() - start, 2)

@@ -55,7 +55,7 @@ def full_settings(budget_s: float, compile: bool) -> Settings:
         a_shapes=LLAMA_8B | LLAMA_70B, a_batches=(2, 4, 8, 16, 32, 64), max_stack_bytes=16 * 2**30,
         b_shapes=list(B_SHAPES), b_compile_shapes=list(B_COMPILE_SHAPES), peak_n=8192,
         reps=10, warmup=3, target_ms=100.0, compile=compile,
-        layers=2, dims=LLAMA_8B_DIMS, step_reps=10, lockstep=5,
+        layers=2, dims=LLAMA_8B_DIMS, step_reps=10, lockstep=5, b_one_shapes=list(LLAMA_8B.values()),
     )  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def dry_settings(budget_s: float) -> Settings:
         a_shapes=dict(DRY_SHAPES), a_batches=(2, 4, 8), max_stack_bytes=2**20,
         b_shapes=[(64, 64), (32, 64)], b_compile_shapes=[], peak_n=64,
         reps=3, warmup=1, target_ms=2.0, compile=False,
-        layers=1, dims=DRY_DIMS, step_reps=2, lockstep=2,
+        layers=1, dims=DRY_DIMS, step_reps=2, lockstep=2, b_one_shapes=[(64, 32)],
     )  # fmt: skip
 
 
@@ -87,11 +87,13 @@ def estimate_b(s: Settings) -> float:
     calls = max(s.reps, 50) + 20
     total = calls * (seconds(2 * s.peak_n**3) + ALLOWANCES_S["call"] / 10)
     compiled = 0
-    for shape, algorithm, is_compiled in cases(s):
+    for shape, algorithm, is_compiled, one in cases(s):
         config = ns_config(algorithm)
-        batch = batch_size(shape, ASSUMED_TFLOPS, s.target_ms, config)
+        batch = 1 if one else batch_size(shape, ASSUMED_TFLOPS, s.target_ms, config)
         call = seconds(batch * orthogonalize_flops(shape, config))
         total += (1 + s.warmup + s.reps) * (call + ALLOWANCES_S["call"])
+        if one:  # and its host-issue timing (ns_speed.host_against_device)
+            total += (s.warmup + s.reps) * (call + ALLOWANCES_S["call"])
         if is_compiled:
             total += ALLOWANCES_S["compile_first" if compiled == 0 else "compile_each"]
             compiled += 1
@@ -107,8 +109,8 @@ def step_seconds(s: Settings) -> float:
 
 def estimate_c(s: Settings) -> float:
     steps = 1 + s.warmup + s.step_reps + 1  # the first, warmup, timed, sync check (profiled: warmup)
-    muon = 2 * steps * step_seconds(s)  # muon_dtensor and torch.optim.Muon
-    return muon + steps * ALLOWANCES_S["host_step"] + 3 * ALLOWANCES_S["profile"]
+    muon = 5 * steps * step_seconds(s)  # muon_dtensor (float32, bf16, int8 momentum; AOL), torch.optim.Muon
+    return muon + steps * ALLOWANCES_S["host_step"] + 6 * ALLOWANCES_S["profile"]
 
 
 def estimate_d(s: Settings) -> float:

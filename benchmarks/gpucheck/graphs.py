@@ -6,7 +6,9 @@ by replaying a graph captured after ``warmup`` steps (warmed up on a side stream
 graph docs ask). The learning rate changes every step after the capture, by the variant's route:
 a float in ``group["lr"]``, a CPU tensor or a CUDA tensor filled in place; a constant float is the
 baseline. Recorded: does capture work (else the exception text), is each replayed step's state
-bitwise the eager one's, and host and device time of a replay against an eager step. On CPU the
+bitwise the eager one's, and host and device time of a replay against an eager step; beside each,
+the outcome expected before the run (``VARIANTS``), what was observed, and whether they agree.
+The one variant expected to fail its capture runs last, on its own capture stream. On CPU the
 harness runs with an eager step in place of the replay (no graphs there) and the part is skipped.
 """
 
@@ -21,15 +23,26 @@ from torch import nn
 from benchmarks.gpucheck.common import Settings, Skipped, error_text
 from benchmarks.gpucheck.step import LR, copy_model, make_model, make_optimizer, seed_grads, time_steps
 
-# name -> (how lr is held, whether it changes every step after the capture); "capturable": a float64
-# CUDA tensor lr with Muon(capturable=True), whose replays should follow it (docs/design.md)
+# name -> (how lr is held, whether it changes every step after the capture, the outcome expected
+# before the run: what torch's capture semantics imply, not a finding). "capturable": a float64 CUDA
+# tensor lr with Muon(capturable=True), whose replays should follow it (docs/design.md). A graph
+# replays the lr it captured when the lr is a Python float or a CPU tensor (read on the host at
+# capture). A plain CUDA tensor lr fails the capture (its value is read on the host); it runs last,
+# on a capture stream of its own, so a failed capture cannot touch the other variants.
 VARIANTS = {
-    "constant float lr": ("float", False),
-    "float group['lr'], changed every step": ("float", True),
-    "CPU tensor lr, filled every step": ("cpu", True),
-    "CUDA tensor lr, filled every step": ("cuda", True),
-    "capturable=True, CUDA float64 lr, filled every step": ("capturable", True),
+    "constant float lr": ("float", False, "replay == eager"),
+    "float group['lr'], changed every step": ("float", True, "replay != eager"),
+    "CPU tensor lr, filled every step": ("cpu", True, "replay != eager"),
+    "capturable=True, CUDA float64 lr, filled every step": ("capturable", True, "replay == eager"),
+    "CUDA tensor lr, filled every step": ("cuda", True, "capture fails"),
 }
+
+
+def observed(row: dict[str, Any]) -> str:
+    """The variant's outcome in the words of ``VARIANTS``' expectations."""
+    if not row.get("capture", True):
+        return "capture fails"
+    return "replay == eager" if all(row["replay_equals_eager_per_step"]) else "replay != eager"
 
 
 class Run:
@@ -105,23 +118,25 @@ def lockstep(graphed: Run, eager: Run, replay: Any, changing: bool, steps: int) 
 
 
 def variant(name: str, base: nn.Module, settings: Settings) -> dict[str, Any]:
-    holder, changing = VARIANTS[name]
+    holder, changing, expected = VARIANTS[name]
     if holder in ("cuda", "capturable") and not settings.cuda:
-        return {"skipped": "needs CUDA"}
+        return {"skipped": "needs CUDA", "expected": expected}
     seed_grads(base, 1)
     graphed, eager = Run(base, holder), Run(base, holder)
     warm_up(graphed, eager, settings.warmup, settings.cuda)
-    row: dict[str, Any] = {"lr_changes": changing}
+    row: dict[str, Any] = {"lr_changes": changing, "expected": expected}
     replay: Callable[[], Any] = graphed.opt.step
     if settings.cuda:
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
+        try:  # a fresh capture stream: torch.cuda.graph's default one is shared by every capture
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
                 graphed.opt.step()
         except Exception as exc:  # noqa: BLE001 - a failed capture is this variant's result
-            return row | {"capture": False, "capture_error": error_text(exc)}
+            row |= {"capture": False, "capture_error": error_text(exc)}
+            return row | {"observed": observed(row), "as_expected": observed(row) == expected}
         row["capture"], replay = True, graph.replay
     row |= lockstep(graphed, eager, replay, changing, settings.lockstep)
+    row |= {"observed": observed(row), "as_expected": observed(row) == expected}
     row["replay"] = time_steps(replay, settings.step_reps, settings.device)
     row["eager"] = time_steps(eager.opt.step, settings.step_reps, settings.device)
     return row

@@ -8,6 +8,8 @@ standard-equivalent rate divides the standard count (``ns_flops``) by the same t
 forms compare as time per matrix. The peak is an n^3 bf16 ``torch.mm`` on random data (never zeros:
 GPUs can run a product of zeros faster than real data). Times are medians of CUDA-event timings
 after warmup. Goal: >= 70% of the measured peak on 4096-class matrices (4096^2 and 4096x14336).
+Batch-1 rows at Llama-3-8B's shapes are the step's own calls (one matrix fills an exchange round);
+beside each, the host's time to issue the call against its device time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpucheck.common import Settings, Shape, clock, error_text, time_ms
+from benchmarks.gpucheck.common import Settings, Shape, clock, error_text, sync, time_ms
 from muon_dtensor import DEFAULT_COEFFICIENTS, NSConfig, newton_schulz, resolve_ns_config
 from muon_dtensor.numerics.newton_schulz import ns_flops, orthogonalize_flops, uses_gram
 
@@ -94,20 +96,40 @@ def run_case(
     }
 
 
-def cases(settings: Settings) -> list[tuple[Shape, str, bool]]:
-    """(shape, algorithm, compiled) to run: Gram only where it changes the evaluation; compiled
-    only for ``b_compile_shapes`` and with compile on, after every eager case (compile times are
-    the least predictable part of the run)."""
+def host_against_device(shape: Shape, device_ms: float, settings: Settings) -> dict[str, Any]:
+    """A batch-1 call is one exchange round's work where one matrix fills a round: the host's time
+    to issue it (no sync, from an idle device) against its device time. Below 1, the next round's
+    launches can hide behind this round's kernels."""
+    x = torch.randn(1, *shape, device=settings.device, dtype=torch.bfloat16)
+    config, host = ns_config(), []
+    for _ in range(settings.warmup + settings.reps):
+        sync(settings.device)
+        start = time.perf_counter()
+        newton_schulz(x, config)
+        host.append((time.perf_counter() - start) * 1e3)
+    sync(settings.device)
+    issue = statistics.median(host[settings.warmup :])
+    return {"host_issue_ms": issue, "host_over_device": issue / device_ms if device_ms else None}
+
+
+def cases(settings: Settings) -> list[tuple[Shape, str, bool, bool]]:
+    """(shape, algorithm, compiled, batch of one) to run: Gram only where it changes the
+    evaluation; then one matrix per call at ``b_one_shapes`` (the step's real calls at Llama
+    sizes); compiled only for ``b_compile_shapes`` and with compile on, after every eager case
+    (compile times are the least predictable part of the run)."""
     gram = ns_config("gram")
     eager = [
-        (s, a, False)
+        (s, a, False, False)
         for s in settings.b_shapes
         for a in ("standard", "gram")
         if a == "standard" or uses_gram(s, gram)
     ]
+    eager += [(s, "standard", False, True) for s in settings.b_one_shapes]
     if not settings.compile:
         return eager
-    return eager + [(s, a, True) for s, a, _ in eager if s in settings.b_compile_shapes]
+    return eager + [
+        (s, a, True, False) for s, a, _, one in eager if s in settings.b_compile_shapes and not one
+    ]
 
 
 def part_b(settings: Settings) -> dict[str, Any]:
@@ -115,15 +137,17 @@ def part_b(settings: Settings) -> dict[str, Any]:
     peak = matmul_peak(settings.reps, settings.peak_n, settings.device)
     print(f"  matmul peak {peak['tflops']:.4g} TFLOP/s ({peak['clock']})", flush=True)
     rows: list[dict[str, Any]] = []
-    for shape, algorithm, compiled in cases(settings):
-        label = {"shape": list(shape), "algorithm": algorithm, "compiled": compiled}
+    for shape, algorithm, compiled, one in cases(settings):
+        label = {"shape": list(shape), "algorithm": algorithm, "compiled": compiled, "batch_of_one": one}
         if settings.left_s() - settings.reserve_s < (60 if compiled else 15):
             rows.append(label | {"skipped": "--budget-s spent"})
             continue
-        batch = batch_size(shape, peak["tflops"], settings.target_ms, ns_config(algorithm))
+        batch = 1 if one else batch_size(shape, peak["tflops"], settings.target_ms, ns_config(algorithm))
         try:
             rows.append(run_case(shape, batch, compiled, settings.reps, peak["tflops"], algorithm,
-                                 settings.device, settings.warmup))  # fmt: skip
+                                 settings.device, settings.warmup) | {"batch_of_one": one})  # fmt: skip
+            if one:
+                rows[-1] |= host_against_device(shape, rows[-1]["median_ms"], settings)
         except Exception as exc:  # noqa: BLE001 - one case's failure is recorded, the rest run
             rows.append(label | {"batch": batch, "error": error_text(exc)})
         if settings.cuda:

@@ -1,4 +1,5 @@
-"""(c) One-GPU step, world size 1: muon_dtensor.Muon, torch.optim.Muon and fused AdamW.
+"""(c) One-GPU step, world size 1: muon_dtensor.Muon, torch.optim.Muon and fused AdamW, and
+muon_dtensor.Muon with bf16 and int8 momentum and with ``ns_algorithm="aol"`` (``VARIANTS``).
 
 ``Settings.layers`` Llama-shaped layers (q, o, k, v, gate, up, down as ``nn.Linear`` without bias),
 fp32 weights, seeded random gradients set once. Each contender steps its own copy of the model:
@@ -9,7 +10,9 @@ around ``opt.step()`` without a sync (the Python step's own time), ``wall_ms`` t
 after, ``device_ms`` CUDA events around the step (its time on the stream, idle gaps included) and
 ``kernel_ms`` the profiled step's device events summed (the device's busy time). Host time / ops
 is set against the cost model's host figure (``Hardware.h200().op_overhead``, 5 us per eager op).
-Last, one steady step under ``torch.cuda.set_sync_debug_mode("error")``: does it wait for the
+On CUDA ``peak_mib_over_model``: the most memory allocated during the contender's steps above what
+its model and gradients held before its first step (its state and the step's transients). Last,
+one steady step under ``torch.cuda.set_sync_debug_mode("error")``: does it wait for the
 device?
 """
 
@@ -30,7 +33,13 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.numerics.newton_schulz import ns_flops
 from muon_dtensor.planning.hardware import Hardware
 
-CONTENDERS = ("muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused")
+# muon_dtensor.Muon as the step runs it with the other momentum dtypes and Newton-Schulz algorithm.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "muon_dtensor.Muon bf16 momentum": {"momentum_dtype": torch.bfloat16},
+    "muon_dtensor.Muon int8 momentum": {"momentum_dtype": torch.int8},
+    'muon_dtensor.Muon ns_algorithm="aol"': {"ns_algorithm": "aol"},
+}
+CONTENDERS = ("muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused", *VARIANTS)
 LR, WEIGHT_DECAY = 0.02, 0.1
 
 
@@ -75,8 +84,9 @@ def copy_model(base: nn.Module) -> nn.Module:
 def make_optimizer(
     label: str, model: nn.Module, lr: float | torch.Tensor = LR, capturable: bool = False
 ) -> torch.optim.Optimizer:
-    if label == "muon_dtensor.Muon":
-        return Muon(split_params(model), lr=lr, weight_decay=WEIGHT_DECAY, capturable=capturable)
+    if label == "muon_dtensor.Muon" or label in VARIANTS:
+        options = VARIANTS.get(label, {})
+        return Muon(split_params(model), lr=lr, weight_decay=WEIGHT_DECAY, capturable=capturable, **options)
     if label == "torch.optim.Muon":
         return torch.optim.Muon(model.parameters(), lr=float(lr), weight_decay=WEIGHT_DECAY)
     return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=WEIGHT_DECAY, fused=True)
@@ -151,6 +161,9 @@ def measure(label: str, base: nn.Module, settings: Settings) -> tuple[dict[str, 
     model = copy_model(base)
     opt = make_optimizer(label, model)
     sync(settings.device)
+    if settings.cuda:
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     opt.step()
     sync(settings.device)
@@ -161,6 +174,8 @@ def measure(label: str, base: nn.Module, settings: Settings) -> tuple[dict[str, 
     row |= time_steps(opt.step, settings.step_reps, settings.device)
     row["steps"] = settings.warmup + 1 + settings.step_reps
     row["host_us_per_op"] = row["host_ms"] * 1e3 / row["ops"] if row["ops"] else None
+    if settings.cuda:  # the optimizer's state and its step's transients, over the model and grads
+        row["peak_mib_over_model"] = (torch.cuda.max_memory_allocated() - resident) / 2**20
     snapshot = [p.detach().clone() for p in model.parameters()]
     row["sync_check"] = sync_check(opt.step, settings.device)
     return row, snapshot
@@ -191,4 +206,8 @@ def part_c(settings: Settings) -> dict[str, Any]:
     if mine and theirs:
         diff = max((a - b).abs().max().item() for a, b in zip(mine, theirs))
         out["muon_vs_torch_muon_max_abs_param_diff"] = diff
+    for label in VARIANTS:  # how far each variant's parameters land from float32 momentum's
+        if mine and params.get(label):
+            diff = max((a - b).abs().max().item() for a, b in zip(mine, params[label]))
+            rows[label]["max_abs_param_diff_to_float32_momentum"] = diff
     return out

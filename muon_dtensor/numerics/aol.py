@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .elementwise import wider
+
 __all__ = ["aol_scale"]
 
 
@@ -52,7 +54,7 @@ def aol_scale(
     # batch (measured in bfloat16, torch 2.13). sqrt and division are correctly rounded
     # everywhere; in float32 at least, they round to the source's rsqrt but for rare ties.
     total = gram.abs().sum(dim=-1).clamp_min(eps)
-    wide = torch.promote_types(total.dtype, torch.float32)
+    wide = wider(total.dtype, torch.float32)
     scale = total.to(wide).sqrt().reciprocal().to(total.dtype)
     if norm_scale != 1.0:
         scale = scale / norm_scale

@@ -17,20 +17,24 @@ ops grow with the number of local shapes, not of parameters.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .elementwise import copy_all, empty_like_all
+from .elementwise import copy_all, empty_like_all, wider
 
 __all__ = [
     "BLOCK",
     "absmax_shape",
     "block_problem",
+    "chunk_elements",
     "dequantize",
+    "device_memory",
     "int8_momentum",
     "int8_nesterov_inputs",
     "quantize",
@@ -42,9 +46,33 @@ __all__ = [
 # maximum adds 4 / 256 of a byte per element (25.4% of float32 momentum in all).
 BLOCK = 256
 LEVELS = 127.0  # symmetric int8: -127..127
-# Elements per stacked chunk of the momentum pass: its float32 working copies (a few per element)
-# stay bounded however large a group is, while the host issues ops per chunk, not per parameter.
+# Elements per stacked chunk of the momentum pass: its float32 working copies stay bounded however
+# large a group is, while the host issues ops per chunk, not per parameter. A chunk takes up to
+# 1 / CHUNK_MEMORY_SHARE of its device's memory at CHUNK_BYTES per element (the float32 copies
+# sharding/plan/memory.py counts, and the int8 result), and at least CHUNK_ELEMENTS: a fixed 2**22
+# split every Llama-3-8B matrix into a chunk of its own, so int8's host ops grew with depth.
 CHUNK_ELEMENTS = 1 << 22
+CHUNK_MEMORY_SHARE = 64
+CHUNK_BYTES = 18
+
+
+def chunk_elements(memory_bytes: int | None) -> int:
+    """Elements per stacked chunk on a device of ``memory_bytes`` (None: unknown, the floor)."""
+    return max(CHUNK_ELEMENTS, (memory_bytes or 0) // (CHUNK_MEMORY_SHARE * CHUNK_BYTES))
+
+
+@functools.cache
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes: a GPU's own, the host's physical memory for the CPU,
+    None where torch does not say (read once per device: the step asks at every call)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None
 
 
 def absmax_shape(shape: Sequence[int], block: int = BLOCK) -> tuple[int, ...]:
@@ -112,13 +140,14 @@ def dequantize(q: Tensor, absmax: Tensor, dtype: torch.dtype, block: int = BLOCK
 
 def _chunks(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> list[list[int]]:
     """Indices of non-empty ``tensors`` grouped by shape, device and gradient dtype, in chunks of at
-    most ``CHUNK_ELEMENTS`` (one tensor at least): each chunk's ops run on one stacked batch."""
+    most ``chunk_elements`` of their device (one tensor at least): each chunk's ops run on one
+    stacked batch."""
     groups: dict[tuple[Any, ...], list[list[int]]] = {}
     for i, t in enumerate(tensors):
         if not t.numel():
             continue
         chunks = groups.setdefault((tuple(t.shape), t.device, grads[i].dtype), [[]])
-        if chunks[-1] and (len(chunks[-1]) + 1) * t.numel() > CHUNK_ELEMENTS:
+        if chunks[-1] and (len(chunks[-1]) + 1) * t.numel() > chunk_elements(device_memory(t.device)):
             chunks.append([])
         chunks[-1].append(i)
     return [c for chunks in groups.values() for c in chunks]
@@ -144,7 +173,7 @@ def int8_momentum(
     same single ops in float32 (or the gradient's wider dtype), round the new momentum once into
     ``qs``/``absmaxes``, and write the Newton-Schulz input from the unrounded momentum to ``out``."""
     for index in _chunks(qs, grads):
-        wide = torch.promote_types(torch.float32, grads[index[0]].dtype)
+        wide = wider(torch.float32, grads[index[0]].dtype)
         work = dequantize(_stacked(qs, index), _stacked(absmaxes, index), wide)
         scaled = _stacked(grads, index).to(wide) * (1.0 - momentum)
         work = work * momentum + scaled  # two single roundings: as momentum_rule's mul_ then add_

@@ -9,6 +9,7 @@ That is why a shard updated here equals, bit for bit, the same rows of the full 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -42,6 +43,7 @@ __all__ = [
     "nesterov_inputs",
     "scale_results",
     "scale_updates",
+    "wider",
 ]
 
 # torch.optim.Muon's lr adjustments by name, each from the *global* matrix shape (rows, cols).
@@ -147,6 +149,13 @@ def muon_momentum(
     copy_all(list(out), source)
 
 
+@functools.cache
+def wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(a, b)``, asked of torch once per pair: on the host it is an op of its
+    own (``aten::promote_types``), which a per-matrix call would add to every step per matrix."""
+    return torch.promote_types(a, b)
+
+
 def _widened(tensors: list[Tensor], dtypes: list[torch.dtype]) -> list[Tensor]:
     """Each tensor in its dtype of ``dtypes``: itself where it has it, else a fresh exact copy."""
     out = list(tensors)
@@ -166,7 +175,7 @@ def _momentum_apart(
     the same single ops in the wider of the two dtypes, on an exact copy of the buffer; the buffer
     stores the result rounded once to its dtype, and the Newton-Schulz input is formed from the
     unrounded result, so this step's update is the wide-momentum step's (docs/design.md)."""
-    wide = [torch.promote_types(b.dtype, g.dtype) for b, g in zip(bufs, grads)]
+    wide = [wider(b.dtype, g.dtype) for b, g in zip(bufs, grads)]
     work = empty_like_all(bufs, wide)
     copy_all(work, bufs)
     source = momentum_rule(work, grads, wide, momentum, nesterov)
@@ -214,16 +223,22 @@ def apply_muon_update(
 # passes (docs/benchmarks.md). Every op is exact per element, so the bucketing changes no bit.
 BUCKET_ELEMENTS = 1 << 26
 CPU_PIECE_ELEMENTS = 1 << 17
+# momentum_dtype's pass (a buffer of another dtype than its gradient) issues three more ops per
+# bucket than the same-dtype pass (its wide copy made, filled and stored): on CPU its pieces are
+# twice as long, so its host ops per element stay at most the float32 pass's.
+APART_PIECES = 2
 
 
-def buckets(groups: Sequence[Sequence[Tensor]]) -> Iterator[tuple[list[int], list[list[Tensor]]]]:
+def buckets(
+    groups: Sequence[Sequence[Tensor]], cpu_pieces: int = 1
+) -> Iterator[tuple[list[int], list[list[Tensor]]]]:
     """Aligned pieces of ``groups`` (``groups[k][i]`` alike in shape for every k), in buckets; yields
     (index of each piece's tensor, pieces per group). On CPU, contiguous tensors are cut into flat
-    ranges of ``CPU_PIECE_ELEMENTS``, each its own bucket."""
+    ranges of ``cpu_pieces`` times ``CPU_PIECE_ELEMENTS``, each its own bucket."""
     if not groups or not groups[0]:
         return
     cpu = groups[0][0].device.type == "cpu"
-    limit = CPU_PIECE_ELEMENTS if cpu else BUCKET_ELEMENTS
+    limit = cpu_pieces * CPU_PIECE_ELEMENTS if cpu else BUCKET_ELEMENTS
     index: list[int] = []
     bucket: list[list[Tensor]] = [[] for _ in groups]
     size = 0
@@ -273,7 +288,8 @@ def nesterov_inputs(
 ) -> list[Tensor]:
     """Update the momentum ``bufs`` in place; return the Newton-Schulz inputs, fresh and contiguous."""
     ns_in = empty_like_all(bufs, [dtype] * len(bufs))
-    for _, (b, g, out) in buckets([bufs, grads, ns_in]):
+    apart = any(b.dtype != g.dtype for b, g in zip(bufs, grads))
+    for _, (b, g, out) in buckets([bufs, grads, ns_in], APART_PIECES if apart else 1):
         muon_momentum(b, g, out, momentum, nesterov)
     return ns_in
 

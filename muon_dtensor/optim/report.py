@@ -19,6 +19,7 @@ from ..base.names import param_names, refusal
 from ..base.torch_dist import default_group
 from ..checks.together import raise_together
 from ..features.qk_clip import QKClipFactors
+from ..numerics.blockwise import chunk_elements, device_memory
 from ..sharding.plan.memory import group_peak
 from ..sharding.plan.param_layout import local_of
 from ..sharding.plan.views import whole_matrix
@@ -117,6 +118,7 @@ def _muon_peak(group: Mapping[str, Any], sharding: GroupSharding, locals_: list[
         normuon=bool(group.get("normuon")),
         gram=group.get("ns_algorithm") == "gram",
         momentum_item=0 if momentum == locals_[0].dtype else momentum.itemsize,
+        chunk=chunk_elements(device_memory(locals_[0].device)),
     )
 
 

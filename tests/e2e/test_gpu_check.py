@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,31 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "skipped", "error"}
 
 
+def device_command() -> str:
+    """The one line benchmarks/README.md gives for the GPU machine."""
+    lines = [ln.strip() for ln in (ROOT / "benchmarks" / "README.md").read_text().splitlines()]
+    (line,) = [ln for ln in lines if "benchmarks/gpu_check.py" in ln and ln.startswith("PYTHONPATH=")]
+    return line
+
+
 def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="")
-    return background.run([sys.executable, str(SCRIPT), *args], env=env, cwd=ROOT, timeout=120)
+    """The README's line as it stands, with ``args`` appended, run by bash from the repository root
+    with this interpreter as its ``python3``, ``$OUT`` set and no CUDA device."""
+    bin_dir = out / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    wrapper = bin_dir / "python3"  # a script, not a link: a venv's interpreter finds its venv by its path
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = background.environ(OUT=str(out), CUDA_VISIBLE_DEVICES="", PYTHONPATH="")
+    env["PATH"] = f"{bin_dir}:{env.get('PATH', '')}"
+    line = " ".join([device_command(), *args])
+    return background.run(["bash", "-c", line], env=env, cwd=ROOT, timeout=120)
+
+
+def test_the_device_command_is_one_line_importing_from_the_tree() -> None:
+    line = device_command()
+    assert line.startswith("PYTHONPATH=$PWD timeout ") and '--out "$OUT/gpu_check.json"' in line
+    assert int(line.split()[2]) < 600  # inside the device machine's 10-minute command limit
 
 
 @background.job("gpu_check_dry_run")
@@ -93,13 +116,24 @@ def test_ns_speed_rows_hold_the_flops_arithmetic(gpu_check_dry_run: tuple[Any, d
         assert r["standard_equivalent_tflops"] == pytest.approx(standard)
         assert r["fraction_of_peak"] == pytest.approx(r["tflops"] / peak["tflops"])
         assert r["finite"]
+    ones = [r for r in rows if r["batch_of_one"]]  # the step's own calls: one matrix each
+    assert ones and all(r["batch"] == 1 and r["algorithm"] == "standard" for r in ones), ones
+    assert all(r["host_over_device"] == pytest.approx(r["host_issue_ms"] / r["median_ms"]) for r in ones)
 
 
 @pytest.mark.slow
 def test_step_part_counts_ops_and_host_time(gpu_check_dry_run: tuple[Any, dict[str, Any]]) -> None:
     result = gpu_check_dry_run[1]["parts"]["c"]["result"]
     assert result["host_model_us_per_op"] == pytest.approx(5.0)
-    assert set(result["contenders"]) == {"muon_dtensor.Muon", "torch.optim.Muon", "torch.optim.AdamW fused"}
+    assert set(result["contenders"]) == {
+        "muon_dtensor.Muon",
+        "torch.optim.Muon",
+        "torch.optim.AdamW fused",
+    } | {
+        "muon_dtensor.Muon bf16 momentum",
+        "muon_dtensor.Muon int8 momentum",
+        'muon_dtensor.Muon ns_algorithm="aol"',
+    }
     for label, row in result["contenders"].items():
         assert "error" not in row, row
         assert row["ops"] > 0, label
@@ -107,6 +141,9 @@ def test_step_part_counts_ops_and_host_time(gpu_check_dry_run: tuple[Any, dict[s
         assert row["device_ms"] is None  # no CUDA events on CPU
         assert "skipped" in row["sync_check"]
     assert result["contenders"]["muon_dtensor.Muon"]["top_op_names"]
+    for label in ("bf16 momentum", "int8 momentum", 'ns_algorithm="aol"'):
+        diff = result["contenders"][f"muon_dtensor.Muon {label}"]["max_abs_param_diff_to_float32_momentum"]
+        assert math.isfinite(diff), label
 
 
 @pytest.mark.slow
@@ -157,3 +194,57 @@ def test_full_run_without_cuda_exits_2(
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr
     assert not wrote
+
+
+def test_a_part_past_the_budget_is_stopped_and_the_next_skipped() -> None:
+    """``--budget-s`` is a deadline: a part still running when it ends is stopped (its per-case
+    ``except Exception`` does not swallow the stop), and a part after it does not start."""
+    from benchmarks.gpucheck.common import run_part
+    from benchmarks.gpucheck.estimate import dry_settings
+
+    def slow_cases(_: Any) -> dict[str, Any]:
+        for _ in range(50):
+            try:
+                time.sleep(0.1)
+            except Exception:  # noqa: BLE001, S112 - a part's per-case handler
+                continue
+        return {}
+
+    settings = dry_settings(0.5)
+    start = time.perf_counter()
+    late = run_part("late", slow_cases, settings)
+    assert late["status"] == "error" and "--budget-s" in late["error"], late
+    assert time.perf_counter() - start < 3.0
+    after = run_part("after", slow_cases, settings)
+    assert after["status"] == "skipped" and "--budget-s" in after["reason"], after
+
+
+def test_gpu_ns_records_a_failing_case_and_writes_after_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """gpu_ns.py without a GPU, its measuring functions stood in for: a case that raises is
+    recorded and the others still run; the JSON is there after the first case already."""
+    from benchmarks import gpu_ns
+
+    out = tmp_path / "gpu_ns.json"
+    seen: list[bool] = []
+
+    def run_case(
+        shape: tuple[int, int], batch: int, compiled: bool, reps: int, peak: float
+    ) -> dict[str, Any]:
+        seen.append(out.exists())
+        if compiled:
+            raise RuntimeError("compile failed")
+        return {"shape": list(shape), "batch": batch, "compiled": False, "tflops": 1.0, "finite": True}
+
+    monkeypatch.setattr(gpu_ns, "require_cuda", lambda: None)
+    monkeypatch.setattr(gpu_ns, "system_info", lambda: {"gpu": "none"})
+    monkeypatch.setattr(gpu_ns, "matmul_peak", lambda reps: {"tflops": 2.0})
+    monkeypatch.setattr(gpu_ns, "run_case", run_case)
+    monkeypatch.setattr(gpu_ns, "format_table", lambda *a: "")
+    monkeypatch.setattr(gpu_ns, "goal_verdict", lambda rows: {})
+    gpu_ns.main(["--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert len(payload["rows"]) == len(payload["errors"]) == len(gpu_ns.SHAPES)
+    assert all("compile failed" in e["error"] for e in payload["errors"])
+    assert payload["verdict"] == "FAIL" and all(seen)

@@ -61,7 +61,7 @@ def test_two_hf_stages_resume_merged_on_one_rank_bitwise(tmp_path: Path) -> None
     assert "model.layers.3.self_attn.q_proj.weight" in stages[1]  # global FQNs kept
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def train_stages(folder: str) -> dict[str, torch.Tensor]:

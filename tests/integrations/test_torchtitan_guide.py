@@ -67,7 +67,7 @@ def test_a_helpers_folder_loads_into_torchtitan_as_the_page_says(tmp_path: Path)
         assert r["train_state"] == SAVE_AT and r["last_epoch"] == SAVE_AT
 
 
-# Rank functions (run by tests.ranks in every rank of the pool).
+# Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
 def _trained(folder: str, save: bool) -> tuple[Any, Any, Any, Any, Any]:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +99,37 @@ def test_collectives_per_step_do_not_grow_with_depth() -> None:
         assert rank[1]["ops"] < rank[2]["ops"]  # the count sees the second layer's work
         assert rank[1]["collectives"] == rank[2]["collectives"] > 0
         assert rank[1]["collective_names"] == rank[2]["collective_names"]
+
+
+# Muon options of the momentum-dtype counts: one exchange round, and Newton-Schulz kept cheap (its
+# ops per batch do not depend on the number of iterations or on the depth).
+_ONE_ROUND: dict[str, Any] = {"max_round_bytes": None, "ns_steps": 1, "ns_dtype": torch.float32}
+_MOMENTUM = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def _ops_per_layer(width: int, layers: int) -> dict[str, float]:
+    """Top-level ops added per layer (2 ranks, batched path, the busiest rank) per momentum dtype."""
+    added = {}
+    for name, dtype in _MOMENTUM.items():
+        options = _ONE_ROUND | {"momentum_dtype": dtype}
+        counts = bench_host.rank_counts
+        per_rank = run_ranks(counts, 2, [layers, 2 * layers], "always", 1, width, options, timeout=900)
+        ops = [max(rank[n]["ops"] for rank in per_rank) for n in (layers, 2 * layers)]
+        added[name] = (ops[1] - ops[0]) / layers
+    return added
+
+
+def test_momentum_dtypes_add_no_host_ops_per_layer() -> None:
+    """bf16 momentum asked torch for its working dtype once per matrix (``aten::promote_types``, a
+    host op): 7 ops per layer more than float32 at width 16."""
+    added = _ops_per_layer(16, 4)
+    assert added == {"float32": 0.0, "bfloat16": 0.0, "int8": 0.0}, added
+
+
+@pytest.mark.slow
+def test_momentum_dtypes_add_no_more_host_ops_per_layer_than_float32_at_width_512() -> None:
+    """At width 512 a rank's gate matrices of 16 layers fill 12.6M elements: int8 momentum's fixed
+    chunks of 2**22 added 16.5 ops per layer, and bf16's pass over CPU pieces more ops per piece than
+    float32's (on CPU, float32's pieces grow with the elements too; CUDA buckets do not)."""
+    added = _ops_per_layer(512, 8)
+    assert added["int8"] <= added["float32"] and added["bfloat16"] <= added["float32"], added

@@ -42,14 +42,15 @@ Shape = tuple[int, int]
 INT8_COPIES = 4
 
 
-def int8_chunk(numels: Sequence[int]) -> int:
+def int8_chunk(numels: Sequence[int], chunk: int = CHUNK_ELEMENTS) -> int:
     """The elements of int8 momentum's largest stacked chunk (``blockwise._chunks``): tensors of one
-    size (standing in for one shape), as many as fit in ``CHUNK_ELEMENTS``, one at least."""
+    size (standing in for one shape), as many as fit in ``chunk`` (``blockwise.chunk_elements`` of
+    the device), one at least."""
     counts: dict[int, int] = {}
     for n in numels:
         if n:
             counts[n] = counts.get(n, 0) + 1
-    return max((n * min(k, max(1, CHUNK_ELEMENTS // n)) for n, k in counts.items()), default=0)
+    return max((n * min(k, max(1, chunk // n)) for n, k in counts.items()), default=0)
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,11 @@ def ns_workspace(shape: Shape, count: int, *, batched: bool, gram: bool = False)
     return count * (per + m * n) if batched and count > 1 else per
 
 
-def bucket_sizes(numels: Sequence[int], *, cpu: bool) -> list[int]:
+def bucket_sizes(numels: Sequence[int], *, cpu: bool, cpu_piece: int = 1 << 17) -> list[int]:
     """Elements per bucket of ``elementwise.buckets`` over contiguous tensors of ``numels``
-    elements: on CPU cut into 2**17-element pieces, buckets of at most 2**17 (CUDA: 2**26, a larger
-    tensor alone)."""
-    limit = 1 << 17 if cpu else 1 << 26
+    elements: on CPU cut into ``cpu_piece``-element pieces (2**17; 2**18 for a momentum buffer of
+    another dtype), buckets of at most that (CUDA: 2**26, a larger tensor alone)."""
+    limit = cpu_piece if cpu else 1 << 26
     sizes, size = [], 0
     for n in numels:
         for part in [min(limit, n - a) for a in range(0, n, limit)] if cpu and n > limit else [n]:
@@ -220,13 +221,15 @@ def group_peak(
     normuon: bool = False,
     gram: bool = False,
     momentum_item: int = 0,
+    chunk: int = CHUNK_ELEMENTS,
 ) -> int:
     """Peak transient bytes of one Muon group's step on one rank. ``numels``: local elements per
     parameter; ``assembled``: whether its update is assembled from several matrices (functional's
     update buffers); ``domains``: per exchange group its plan, this rank's group rank and the
     parameter position of each plan entry. NorMuon's inputs are counted twice (the second moment
     is concatenated in front of a copy); its owner-side row pass is not modelled. ``momentum_item``:
-    the itemsize of a momentum buffer kept in another dtype than the parameter's (0: the same)."""
+    the itemsize of a momentum buffer kept in another dtype than the parameter's (0: the same);
+    ``chunk``: int8 momentum's chunk elements on the rank's device (``blockwise.chunk_elements``)."""
     ns_in = sum(numels) * ns_item * (2 if normuon else 1)
     # muon_momentum: the scaled gradient (and the Nesterov source) of one bucket at a time; a buffer
     # of another dtype adds its wide working copy (and the gradient's, if the gradient is narrower)
@@ -234,9 +237,9 @@ def group_peak(
     if momentum_item:
         wide = max(param_item, momentum_item)
         per = wide * (2 + int(nesterov) + int(param_item < wide))
-    temps = max(bucket_sizes(numels, cpu=cpu) or [0]) * per
+    temps = max(bucket_sizes(numels, cpu=cpu, cpu_piece=(1 << 18) if momentum_item else 1 << 17) or [0]) * per
     if momentum_item == 1:  # int8 blocks (blockwise.int8_momentum): float32 copies of one chunk
-        temps = int8_chunk(numels) * (4 * INT8_COPIES + 1 + int(nesterov))
+        temps = int8_chunk(numels, chunk) * (4 * INT8_COPIES + 1 + int(nesterov))
     updates = sum(n for n, a in zip(numels, assembled) if a) * param_item
     exchange = 0
     for plan, me, positions in domains:
