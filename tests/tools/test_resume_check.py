@@ -253,9 +253,9 @@ def test_bad_input_is_refused_before_any_rank_starts() -> None:
 def test_api_md_lists_every_profile() -> None:
     from muon_dtensor.tools.resume_check import PROFILES
 
-    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     line = next(x for x in api.splitlines() if x.startswith("- `PROFILES`: "))
     listed = line.split("`(", 1)[1].split(")`", 1)[0]
     assert tuple(x.strip().strip('"') for x in listed.split(",")) == PROFILES, line
-    resume = (Path(__file__).resolve().parent.parent / "docs" / "resume.md").read_text()
+    resume = (Path(__file__).resolve().parents[2] / "docs" / "resume.md").read_text()
     assert all(f"| `{p}` |" in resume for p in PROFILES)  # each profile's row of "which loops it fits"
