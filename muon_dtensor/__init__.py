@@ -8,15 +8,11 @@ second off the check).
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # The pure math loads at once: it checks MUON_DTENSOR_NS_BATCH at import, so a bad value stops
 # every rank at ``import muon_dtensor``, before any collective.
+from .base.moved import keep_old_paths
 from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 
 if TYPE_CHECKING:
@@ -93,35 +89,7 @@ MOVED = {
 }
 
 
-class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old path of ``MOVED`` and loads it as the new module (the same module object)."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, Any] = {}
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        old = fullname.removeprefix(__name__ + ".")
-        if old == fullname or old not in MOVED:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: Any) -> ModuleType:
-        new = f"{__name__}.{MOVED[spec.name.removeprefix(__name__ + '.')]}"
-        warnings.warn(
-            f"{spec.name} moved to {new} in 0.2.0; import {new} (the old path goes in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        module = importlib.import_module(new)
-        self.specs[module.__name__] = module.__spec__  # importlib sets the alias's spec on it next
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self.specs.pop(module.__name__, module.__spec__)  # the new module's own again
-
-
-if not any(isinstance(f, _Moved) for f in sys.meta_path):
-    sys.meta_path.insert(0, _Moved())
+keep_old_paths(__name__, {old: f"{__name__}.{new}" for old, new in MOVED.items()}, since="0.2.0")
 
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).

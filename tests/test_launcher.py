@@ -107,6 +107,7 @@ def test_a_ranks_stdin_is_dev_null() -> None:
     assert run_ranks(stdin_of_rank, 2, timeout=30) == [("/dev/null", "")] * 2
 
 
+@pytest.mark.slow  # a fresh launcher: torch imported again (the fast loop keeps the served launch)
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 def test_a_changed_umask_gets_a_fresh_launcher(tmp_path: Path) -> None:
     first = run_ranks(who, 2)
@@ -137,6 +138,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a fresh launcher: torch imported again
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 def test_a_changed_library_file_gets_a_fresh_launcher(tmp_path: Path) -> None:
     import shutil
@@ -194,6 +196,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a launcher started and killed per case
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 @pytest.mark.parametrize("group", [True, False], ids=["terminal", "caller_only"])
 def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path, group: bool) -> None:

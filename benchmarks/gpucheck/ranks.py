@@ -1,6 +1,6 @@
 """(e) With 2+ GPUs: the sharded step against one process, bitwise, and no host sync.
 
-One rank per GPU (in the dry run, 2 gloo CPU ranks), started by ``muon_dtensor.tools.testing.run_ranks`` (its worker calls
+One rank per GPU (in the dry run, 2 gloo CPU ranks), started by ``muon_dtensor.testing.run_ranks`` (its worker calls
 ``init_process_group("cpu:gloo,cuda:nccl")``: NCCL for CUDA tensors, gloo for the checks' small
 host sums). On every rank: part (c)'s model, its parameters broadcast from rank 0, once whole (the
 one-process run) and once ``fully_shard``-ed per layer and at the root on a 1-D mesh (FSDP2) or a
@@ -124,7 +124,7 @@ def part_e(settings: Settings, world: int | None = None) -> dict[str, Any]:
 
 
 def run(settings: Settings, world: int) -> dict[str, Any]:
-    from muon_dtensor.tools.testing import run_ranks
+    from muon_dtensor.testing import run_ranks
 
     timeout = max(60.0, settings.left_s())
     per_rank = run_ranks(rank_check, world, settings.layers, settings.dims, meshes(world), timeout=timeout)

@@ -3,3 +3,14 @@ topology check, ``plan --check`` (``topology``, over the model ``configs`` it re
 rehearsal, ``plan --rehearse`` (``rehearse``: one rank's real step on the fake backend). ``testing``,
 ``launcher`` and ``rank`` are the old paths of ``muon_dtensor.testing``, kept for one release. Row
 ``tools/`` of docs/design.md's layer table."""
+
+from ..base.moved import keep_old_paths
+
+keep_old_paths(
+    __name__,
+    {
+        "testing": "muon_dtensor.testing.runner",
+        "launcher": "muon_dtensor.testing.launcher",
+        "rank": "muon_dtensor.testing.rank",
+    },
+)  # 0.6

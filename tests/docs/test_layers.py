@@ -185,6 +185,9 @@ MOVED = {
     "checkpoint.helpers": ("checkpoint.save", ["save_checkpoint", "load_checkpoint", "PendingSave"]),
     "checkpoint.layout": ("checkpoint.keys", ["PER_FQN", "BY_INDEX", "Layout", "layout_of_manifest"]),
     "checkpoint.agree": ("checkpoint.arguments_agree", ["agree", "agree_save"]),
+    "tools.testing": ("testing.runner", ["run_ranks", "RankError"]),
+    "tools.launcher": ("testing.launcher", ["fork_ranks", "preload", "reap"]),
+    "tools.rank": ("testing.rank", ["worker"]),
 }
 
 
