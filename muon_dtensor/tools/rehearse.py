@@ -42,7 +42,7 @@ from ..planning.plans import rank_memory
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
-from .topology import _COLWISE, _ROWWISE, _split
+from .topology import _COLWISE, _ROWWISE, _split, parse_layout
 
 __all__ = ["Rehearsal", "main", "parse_args", "rehearse", "report"]
 
@@ -302,12 +302,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--skip-ns", action="store_true", help="skip Newton-Schulz on the matrices this rank owns")
     check_options(p)
     owner_options(p)
-    args = p.parse_args(list(argv))
-    if args.rehearse is None:
-        p.error(f"--rehearse needs a CONFIG: a config.json file or a preset ({', '.join(PRESETS)})")
-    args.hsdp, args.tp = args.hsdp or 1, args.tp or 1
-    if args.gpus % (args.hsdp * args.tp):
-        p.error(f"--gpus {args.gpus} must be a positive multiple of --hsdp {args.hsdp} x --tp {args.tp}")
+    args = parse_layout(p, argv, "rehearse")
     if not 0 <= args.rank < args.gpus:
         p.error(f"--rank {args.rank} must be between 0 and --gpus - 1 ({args.gpus - 1})")
     if args.steps < 1:

@@ -249,9 +249,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpus", type=GPUS, required=True, help="ranks in all")
     check_options(p)
     owner_options(p)
+    return parse_layout(p, argv, "check")
+
+
+def parse_layout(p: argparse.ArgumentParser, argv: Sequence[str], command: str) -> argparse.Namespace:
+    """``p``'s arguments with ``--COMMAND CONFIG``, ``--gpus`` and the layout options checked
+    (``--hsdp`` and ``--tp`` default to 1); exits with status 2 on bad ones."""
     args = p.parse_args(list(argv))
-    if args.check is None:
-        p.error(f"--check needs a CONFIG: a config.json file or a preset ({', '.join(PRESETS)})")
+    if getattr(args, command) is None:
+        p.error(f"--{command} needs a CONFIG: a config.json file or a preset ({', '.join(PRESETS)})")
     args.hsdp, args.tp = args.hsdp or 1, args.tp or 1
     if args.gpus % (args.hsdp * args.tp):
         p.error(f"--gpus {args.gpus} must be a positive multiple of --hsdp {args.hsdp} x --tp {args.tp}")
