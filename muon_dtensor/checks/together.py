@@ -12,7 +12,7 @@ every rank, never a hang or a silent mix:
   call raises at once with that failure, until the process group is re-created (the ranks' states
   differ and gloo may still hold the failed step's unmatched collectives).
 
-The sums wait in slices (``comm.wait_released``), so a rank whose peer refused or failed raises too.
+The sums wait in slices (``failures.wait_released``), so a rank whose peer refused or failed raises too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..base.torch_dist import default_group
-from ..sharding.runtime.comm import gather_over_scope, job_failure, rank_and_size, sum_over_scopes
+from ..sharding.runtime.comm import gather_over_scope, rank_and_size, sum_over_scopes
+from ..sharding.runtime.failures import job_failure
 
 __all__ = [
     "Scope",

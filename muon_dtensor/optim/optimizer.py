@@ -28,7 +28,8 @@ from ..numerics.normuon import DEFAULT_BETA2
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode
 from ..sharding.plan.domains import ViewOptions
 from ..sharding.plan.param_layout import local_grad, local_of
-from ..sharding.runtime.comm import CommStats, releasing_peers
+from ..sharding.runtime.comm import CommStats
+from ..sharding.runtime.failures import releasing_peers
 from . import report
 from .docstrings import MUON_ARGS
 from .functional import MuonHyper, Orthogonalize, adamw_group_step, muon_step
@@ -98,22 +99,12 @@ class Muon(report.Reports, Optimizer):
     ) -> None:
         error: Exception | None = None
         try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
-            validation.check_momentum_dtype_argument(momentum_dtype)
             values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
-            defaults = dict(
-                zip(_TORCH_KEYS, values),
-                **_VIEW_DEFAULTS,
-                **_NORMUON_DEFAULTS,
-                ns_algorithm=ns_algorithm,
-                mode=mode,
-                max_round_bytes=max_round_bytes,
-                owners=owners,
-                ns_split=ns_split,
-                capturable=capturable,
-                ns_dtype=validation.ns_dtype_name(ns_dtype),
-                momentum_dtype=validation.momentum_dtype_name(momentum_dtype),
+            options: dict[str, Any] = dict(
+                ns_algorithm=ns_algorithm, mode=mode, max_round_bytes=max_round_bytes
             )
-            validation.check_muon_group(defaults)
+            options.update(owners=owners, ns_split=ns_split, capturable=capturable, ns_dtype=ns_dtype)
+            defaults = _muon_defaults(values, momentum_dtype, options)
             validation.check_process_group(process_group)
             validation.check_step_group(step_group)
             self._process_group = process_group
@@ -213,6 +204,19 @@ class Muon(report.Reports, Optimizer):
             else None,
             base=self._orthogonalize,
         )
+
+
+def _muon_defaults(
+    values: tuple, momentum_dtype: torch.dtype | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The constructor's defaults: torch.optim.Muon's keys (``values`` in their order), ours, the
+    dtypes as names (``validation``'s one normalization); checked as a Muon group."""
+    validation.check_momentum_dtype_argument(momentum_dtype)
+    defaults = dict(zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS, **options)
+    defaults["ns_dtype"] = validation.ns_dtype_name(defaults["ns_dtype"])
+    defaults["momentum_dtype"] = validation.momentum_dtype_name(momentum_dtype)
+    validation.check_muon_group(defaults)
+    return defaults
 
 
 assert Muon.__doc__ is not None

@@ -3,15 +3,12 @@
 Pure arithmetic over the plan (``plan.build_plan`` on ``Shard(0)`` blocks, as FSDP2 lays them out,
 with the optimizer's default exchange rounds; for HSDP with owners over the mesh, ``hsdp_plan``):
 no process group, no device. ``compare_owners`` prices HSDP's two owner choices for
-``Muon(owners="auto")``. A step is three phases,
-as ``functional.muon_step`` runs them:
+``Muon(owners="auto")``. A step is three phases, as ``functional.muon_step`` runs them:
 
 1. **pre**: momentum, Nesterov input and the cast to the Newton-Schulz dtype on local shards
    (memory-bound multi-tensor ops), and packing blocks for the all-to-alls;
-2. **mid**: the rounds of ``sharding.runtime.exchange.run_plan``, pipelined as it issues them: round k+1's
-   all-to-all to the owners and round k-1's all-to-all back travel while round k's matrices are
-   assembled and orthogonalized (one collective stream in issue order, one compute stream;
-   ``links.pipeline_seconds``);
+2. **mid**: the rounds of ``sharding.runtime.exchange.run_plan``, pipelined as it issues them (round
+   k+1's all-to-all out and k-1's back travel while round k is orthogonalized; ``links.pipeline_seconds``);
 3. **post**: the scaled update and weight decay on local shards (memory-bound).
 
 Each phase costs device time (bytes over memory bandwidth, flops over the matmul rate, link bytes over
@@ -19,15 +16,13 @@ link bandwidth plus a latency per collective) and host time (eager ops times a p
 asynchronous device (CUDA) the host runs ahead: a phase takes the larger of the two, and the host's
 post-phase work hides behind the device's mid phase; on a CPU they add up.
 
-Every rank holds a block of every matrix, so a rank's elementwise work is its local share. A round's
-Newton-Schulz is its busiest rank's share of that round (owner mode) or all of it (gather mode). Link
-traffic is counted per rank and per collective from the plan, split into intra-node and inter-node
+A rank's elementwise work is its local share; a round's Newton-Schulz is its busiest rank's share
+(owner mode) or all of it (gather mode). Link traffic is counted per rank and per collective from the plan, split into intra-node and inter-node
 bytes, and a collective ends when its busiest rank's busiest link is done; its per-rank sum equals
 ``Plan.bytes_sent`` (``tests/planning/test_costmodel.py`` checks it).
 
-What is left out: overlap inside a collective's own algorithm, link contention beyond one link each way
-per GPU, compute slowed by a concurrent collective, reduced clocks, and kernel efficiency changing with
-matrix size (one matmul rate for all).
+Left out: overlap inside a collective's algorithm, link contention beyond one link each way per GPU,
+compute slowed by a concurrent collective, reduced clocks, kernel efficiency by matrix size.
 """
 
 from __future__ import annotations

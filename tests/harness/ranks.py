@@ -310,10 +310,10 @@ def _threads() -> int:
 
 
 def _step_failed() -> bool:
-    """Whether a rank reported a step's failure (``comm.releasing_peers``) in this pool's store."""
+    """Whether a rank reported a step's failure (``failures.releasing_peers``) in this pool's store."""
     import torch.distributed as dist
 
-    from muon_dtensor.sharding.runtime.comm import FAILED_KEY
+    from muon_dtensor.sharding.runtime.failures import FAILED_KEY
 
     return bool(dist.distributed_c10d._get_default_store().check([FAILED_KEY]))
 
