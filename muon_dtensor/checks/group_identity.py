@@ -23,6 +23,7 @@ from ..sharding.runtime.comm import gather_over_scope
 from .agreement import scope_entries
 from .step_scope import agreed, fingerprint, scope_key, step_scope
 from .together import group_of, raise_together, summed
+from .validation import refuse_non_member
 
 __all__ = ["agree_group", "agree_step_group", "group_key"]
 
@@ -32,12 +33,7 @@ def group_key(group: Any, name: str) -> tuple:
     communicator's name (a mesh: its shape, dimension names and each axis's communicator). A
     ValueError naming ``name`` for a group this rank is not in."""
     rank = dist.get_rank()
-    if group is dist.GroupMember.NON_GROUP_MEMBER or group is None:
-        raise ValueError(
-            f"{name}: rank {rank} passed a process group it is not a member of (torch.distributed gives "
-            f"non-members GroupMember.NON_GROUP_MEMBER, {dist.GroupMember.NON_GROUP_MEMBER}); pass each "
-            "rank the group it belongs to (under pipeline parallelism, its own stage's group)"
-        )
+    refuse_non_member(group, name)
     key = scope_key(group)
     if isinstance(group, DeviceMesh):
         comms = tuple(group.get_group(axis).group_name for axis in range(group.ndim))

@@ -44,6 +44,7 @@ __all__ = [
     "precheck_group",
     "momentum_dtype_name",
     "normalize_group",
+    "refuse_non_member",
     "ns_dtype_name",
     "resolve_ns_config",
 ]
@@ -103,14 +104,21 @@ def check_process_group(group: Any) -> None:
         )
 
 
+def refuse_non_member(group: Any, name: str) -> None:
+    """A ValueError naming ``name`` when this rank passed the group torch hands non-members
+    (``GroupMember.NON_GROUP_MEMBER``, ``-100``) or None where a group is needed."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER or group is None:
+        raise ValueError(
+            f"{name}: rank {dist.get_rank()} passed a process group it is not a member of (torch.distributed "
+            f"gives non-members GroupMember.NON_GROUP_MEMBER, {dist.GroupMember.NON_GROUP_MEMBER}); pass "
+            "each rank the group it belongs to (under pipeline parallelism, its own stage's group)"
+        )
+
+
 def check_step_group(group: Any) -> None:
     """``step_group``: the ranks that step together (None: the default group)."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"step_group: rank {dist.get_rank()} passed a process group it is not a member of "
-            f"(torch.distributed gives non-members GroupMember.NON_GROUP_MEMBER, {group}); pass each rank "
-            "the group it belongs to (under pipeline parallelism, its own stage's group)"
-        )
+    if group is not None:
+        refuse_non_member(group, "step_group")
     if group is not None and not isinstance(group, (ProcessGroup, DeviceMesh)):
         raise TypeError(
             f"step_group should be None (the default group), a torch.distributed.ProcessGroup or a "
