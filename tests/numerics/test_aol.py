@@ -210,7 +210,8 @@ def test_an_overflowed_gram_or_a_zero_row_under_eps_0_gives_a_finite_update(
 ) -> None:
     """Before, both were NaN (0 * inf, inf * 0). A Gram matrix beyond float32's range gives zero, as
     the Frobenius division by its infinite norm does; a zero row under eps=0 stays zero and the other
-    rows are the bits of eps=1e-7 (whose clamp they never reach)."""
+    rows are the bits of eps=1e-7 (whose clamp they never reach). Bits are compared only between
+    batches of one shape (CONTRIBUTING.md, "Bits and tolerances")."""
     config = _aol(dtype)
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(4))
     x[1, 3] = 0.0
@@ -219,7 +220,10 @@ def test_an_overflowed_gram_or_a_zero_row_under_eps_0_gives_a_finite_update(
     huge = torch.stack([x[0] * 1e20, x[0]])  # the first matrix's Gram overflows, the second's not
     out = newton_schulz(huge, config)
     assert torch.equal(out[0], newton_schulz(huge[0], standard)) and not out[0].any()
-    assert torch.equal(out[1], newton_schulz(x[0], config))
+    # The second matrix against itself in a batch of the same shape: the same kernels, so the same
+    # bits on every CPU (alone, an unbatched matmul may take another kernel: 1.5840e-04 vs 1.5825e-04
+    # on Zen 5).
+    assert torch.equal(out[1], newton_schulz(torch.stack([x[0], x[0]]), config)[1])
     at_zero = newton_schulz(x, dataclasses.replace(config, eps=0.0))
     assert at_zero.isfinite().all() and torch.equal(at_zero, newton_schulz(x, config))
 
