@@ -86,7 +86,7 @@ class Muon(report.Reports, Optimizer):
         adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
-        momentum_dtype: torch.dtype | None = None,
+        momentum_dtype: torch.dtype | str | None = None,
         ns_algorithm: NSAlgorithm = "standard",
         mode: Mode = "owner",
         process_group: ProcessGroup | None = None,
@@ -113,6 +113,7 @@ class Muon(report.Reports, Optimizer):
             self._plans = PlanCache()
             self._walks = StateWalks()
             self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
+            self._hypers: dict[int, tuple[Any, MuonHyper]] = {}  # per group: (its resolved settings, hyper)
             self.comm_stats = CommStats()
             super().__init__(params, defaults)
         except Exception as e:
@@ -125,6 +126,9 @@ class Muon(report.Reports, Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if validation.precheck_group(param_group, len(self.param_groups)) == "adamw":
             param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
+            # not the optimizer's default: AdamW's moments keep the parameter's dtype, and any
+            # other value set later is refused at the step (``check_adamw_momentum_dtype``)
+            param_group["momentum_dtype"] = None
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
         try:  # local checks only: collectives wait for the first step, once every rank agrees
@@ -186,6 +190,9 @@ class Muon(report.Reports, Optimizer):
 
         return self._plans.sharding(index, group, generation, build, keep=not local)
 
+    def _hyper(self, index: int, group: dict[str, Any]) -> MuonHyper:
+        return _kept_hyper(self._hypers, index, group, self._checks.resolved[index])
+
     def _muon_step(self, index: int, group: dict[str, Any], todo: list[int], config: NSConfig) -> None:
         params = [group["params"][i] for i in todo]
         muon_step(
@@ -193,7 +200,7 @@ class Muon(report.Reports, Optimizer):
             [local_grad(p) for p in params],
             [local_of(self.state[p][MOMENTUM]) for p in params],
             self._plans.domains(index, group, todo),
-            MuonHyper.of(group),
+            self._hyper(index, group),
             config,
             self.comm_stats,
             second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
@@ -206,12 +213,28 @@ class Muon(report.Reports, Optimizer):
         )
 
 
+def _kept_hyper(
+    hypers: dict[int, tuple[Any, MuonHyper]], index: int, group: dict[str, Any], resolved: Any
+) -> MuonHyper:
+    """Group ``index``'s ``MuonHyper``, kept while its resolved settings are the same object (the
+    checks resolve them again only when a value changed). A tensor lr's is made every step: its
+    device copy must be taken at each step (a CUDA graph captures the step that takes it)."""
+    kept = hypers.get(index)
+    if kept is not None and kept[0] is resolved:
+        return kept[1]
+    hyper = MuonHyper.of(group)
+    if isinstance(hyper.lr, Tensor):
+        hypers.pop(index, None)
+    else:
+        hypers[index] = (resolved, hyper)
+    return hyper
+
+
 def _muon_defaults(
-    values: tuple, momentum_dtype: torch.dtype | None, options: dict[str, Any]
+    values: tuple, momentum_dtype: torch.dtype | str | None, options: dict[str, Any]
 ) -> dict[str, Any]:
     """The constructor's defaults: torch.optim.Muon's keys (``values`` in their order), ours, the
     dtypes as names (``validation``'s one normalization); checked as a Muon group."""
-    validation.check_momentum_dtype_argument(momentum_dtype)
     defaults = dict(zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS, **options)
     defaults["ns_dtype"] = validation.ns_dtype_name(defaults["ns_dtype"])
     defaults["momentum_dtype"] = validation.momentum_dtype_name(momentum_dtype)
