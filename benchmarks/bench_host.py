@@ -39,7 +39,6 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -53,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import results_config, system_info, wait_for_quiet  # noqa: E402
-from benchmarks.host_stats import paired_ratios, rotated, spread, spread_text  # noqa: E402
+from benchmarks.host_stats import format_depth, format_timed, per_layer, rotated, summarize  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV  # noqa: E402
 
 WIDTH, KV, FFN, VOCAB = 16, 8, 48, 64
@@ -297,89 +296,6 @@ def rank_many(most: int, seconds: float, steps: int, warmup: int, count: bool = 
     }
 
 
-def summarize(per_rank: list[dict[int, dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
-    """Rows (contender, ranks, layers): counts of the rank with most ops; per step the slowest
-    rank's wall time and the busiest rank's main-thread CPU time, as medians with their spread
-    (``host_stats.spread``), and each round's ratio to AdamW's step of the same round."""
-    rows = []
-    for layers in per_rank[0]:
-        wall = {
-            label: [max(t) for t in zip(*(r[layers][label]["times"] for r in per_rank), strict=True)]
-            for label in CONTENDERS
-        }
-        cpu = {
-            label: [max(t) for t in zip(*(r[layers][label]["cpu_times"] for r in per_rank), strict=True)]
-            for label in CONTENDERS
-        }
-        for label in CONTENDERS:
-            at = [r[layers][label] for r in per_rank]
-            busiest = max(at, key=lambda c: c.get("ops") or 0)
-            rows.append(
-                {"contender": label, "ranks": ranks, "layers": layers, "ops": busiest.get("ops")}
-                | {"ops_each_rank": [c.get("ops") for c in at], "collectives": busiest.get("collectives")}
-                | {"collective_names": busiest.get("collective_names"), "op_names": busiest.get("op_names")}
-                | {
-                    "median_ms": statistics.median(wall[label]) * 1e3,
-                    "step_ms": [t * 1e3 for t in wall[label]],
-                }
-                | {"cpu_ms": [t * 1e3 for t in cpu[label]], "wall_spread_ms": _ms(spread(wall[label]))}
-                | {"cpu_spread_ms": _ms(spread(cpu[label]))}
-                | {"ratio_to_adamw": spread(paired_ratios(wall[label], wall[ADAMW]))}
-                | {"cpu_ratio_to_adamw": spread(paired_ratios(cpu[label], cpu[ADAMW]))}
-                | {"first_step_s": max(c["first_s"] for c in at)}
-            )
-    return rows
-
-
-def _ms(s: dict[str, float]) -> dict[str, float]:
-    return {k: v * 1e3 if k != "n" else v for k, v in s.items()}
-
-
-def per_layer(rows: list[dict[str, Any]], layers: int) -> None:
-    """Add ops added per layer, and its ratio to AdamW's at the same ranks, to every depth row."""
-    ops = {(r["contender"], r["ranks"], r["layers"]): r["ops"] for r in rows}
-    for r in rows:
-        deep, shallow = ((r["contender"], r["ranks"], n) for n in (2 * layers, layers))
-        r["ops_per_layer"] = (ops[deep] - ops[shallow]) / layers
-    for r in rows:
-        adamw = next(a for a in rows if a["contender"] == ADAMW and a["ranks"] == r["ranks"])
-        r["ratio_per_layer_to_adamw"] = r["ops_per_layer"] / adamw["ops_per_layer"]
-
-
-def format_depth(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| optimizer / path | ranks | layers | top-level ops/step | ops added per layer "
-        "| ratio to AdamW's | collectives/step | host ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['contender']} | {r['ranks']} | {r['layers']} | {r['ops']:,} | {r['ops_per_layer']:.1f} "
-            f"| {r['ratio_per_layer_to_adamw']:.1f} | {r['collectives']} | {r['median_ms']:.1f} |"
-        )
-    return "\n".join(lines)
-
-
-def format_timed(rows: list[dict[str, Any]], title: str) -> str:
-    """A case's rows: counts, then medians with [25th-75th percentile] of wall and CPU ms per
-    step and of each round's ratio to AdamW's step in the same round."""
-    lines = [
-        title,
-        "| optimizer / path | top-level ops/step | collectives/step | wall ms/step | ratio to AdamW (wall) "
-        "| main-thread CPU ms/step | ratio to AdamW (CPU) | first step s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ops = "not counted" if r["ops"] is None else f"{r['ops']:,}"
-        lines.append(
-            f"| {r['contender']} | {ops} | {r['collectives'] if r['ops'] is not None else ''} "
-            f"| {spread_text(r['wall_spread_ms'])} | {spread_text(r['ratio_to_adamw'], digits=2)} "
-            f"| {spread_text(r['cpu_spread_ms'])} | {spread_text(r['cpu_ratio_to_adamw'], digits=2)} "
-            f"| {r['first_step_s']:.1f} |"
-        )
-    return "\n".join(lines)
-
-
 def avx512_bf16() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
     return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
@@ -420,8 +336,8 @@ def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]
         per_rank = run_ranks(
             bench_host.rank_measure, n, layers, "llama", args.steps, args.warmup, timeout=args.timeout
         )
-        depth += summarize(per_rank, n)
-    per_layer(depth, args.layers)
+        depth += summarize(per_rank, n, list(CONTENDERS), ADAMW)
+    per_layer(depth, args.layers, ADAMW)
     return depth
 
 
@@ -432,7 +348,7 @@ def run_many(args: argparse.Namespace, left: float) -> dict[str, Any]:
 
     ranks = run_ranks(bench_host.rank_many, 2, args.many_layers, left, args.many_steps, args.warmup,
                       args.count_many, timeout=args.timeout)  # fmt: skip
-    rows = summarize([r["rows"] for r in ranks], 2)
+    rows = summarize([r["rows"] for r in ranks], 2, list(CONTENDERS), ADAMW)
     print(f"picked: {4 * ranks[0]['layers']:,} matrices at 2 ranks (at most {4 * args.many_layers:,}; "
           f"{left:.0f} s left of --budget, AdamW's first step {ranks[0]['probe_s'][0]:.1f} s at "
           f"{4 * PROBE_LAYERS} matrices), {args.many_steps} timed rounds")  # fmt: skip
@@ -446,7 +362,7 @@ def run_wide(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     per_rank = run_ranks(bench_host.rank_measure, 2, [args.wide_layers], "default", args.wide_steps,
                          args.warmup, True, args.wide_width, timeout=args.timeout)  # fmt: skip
-    return summarize(per_rank, 2)
+    return summarize(per_rank, 2, list(CONTENDERS), ADAMW)
 
 
 def main(argv: list[str] | None = None) -> None:

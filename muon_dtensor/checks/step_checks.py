@@ -11,9 +11,10 @@ check may follow from it); a bad value set on every rank is the local check's er
 everywhere. Scopes reduce in one sorted order on every rank.
 
 What does not change between steady steps is cached by parameter identity: the hash of the
-parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
-changes lr) and builds the per-rank flags. Each new parameter set bumps ``generation``, which the
-optimizer's plan and state caches compare instead of building keys of their own.
+parameter rows, the names and the scopes; each group's checked settings are kept until one of its
+values changes (``settings_cache.py``). A step then compares each group's settings key, hashes the
+settings (an lr schedule changes lr) and builds the per-rank flags. Each new parameter set bumps
+``generation``, which the optimizer's plan and state caches compare instead of building keys of their own.
 """
 
 from __future__ import annotations
@@ -90,9 +91,7 @@ class StepChecks:
         self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
         self._checked: tuple[int, set[tuple[Any, ...]]] = (0, set())  # settings whose parameter checks passed
         self.settings = SettingsCache()  # each group's checked settings, resolved again when they change
-        self.resolved: list[
-            Resolved
-        ] = []  # this step's, per group (the optimizer keys its own caches on them)
+        self.resolved: list[Resolved] = []  # this step's, per group (the optimizer keeps its hypers on them)
 
     def param_set(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> int:
         """The generation of the current parameter set (local: no collective)."""
