@@ -53,11 +53,13 @@ def test_hf_llama_parameters_warns_once_naming_embed_tokens_and_lm_head() -> Non
     assert "model.embed_tokens.weight (an nn.Embedding weight)" in messages[0]
     assert "lm_head.weight (the output head)" in messages[0]
     assert "split_params" in messages[0] and "WrongMatrixWarning" in messages[0]
-    # the 2-D matrices as a plain list (no model, no names): found through the live modules
-    matrices = [p for p in model.parameters() if p.ndim == 2]
+    # the 2-D matrices as a list of (name, tensor) pairs (no model): by name
+    matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
     (message,) = _caught(lambda: Muon(matrices))
-    assert "model.embed_tokens.weight" in message and "lm_head.weight" in message
+    assert "model.embed_tokens.weight (an embedding (by its name))" in message
+    assert "lm_head.weight (the output head (by its name))" in message
     assert "layers" not in message  # the hidden matrices are Muon's
+    assert _caught(lambda: Muon([p for _, p in matrices])) == []  # bare tensors, a small vocabulary
     assert _caught(lambda: Muon(split_params(model))) == []
 
 
@@ -74,9 +76,10 @@ def test_tied_named_hand_made_and_silenced() -> None:
         {"params": [model.embed.weight, model.lm_head.weight], "algorithm": "adamw"},
     ]
     assert _caught(lambda: Muon(groups)) == []  # the right split: nothing to say
-    opt = Muon(hidden)
-    (later,) = _caught(lambda: opt.add_param_group({"params": [model.lm_head.weight]}))  # after: at once
-    assert "lm_head.weight (the output head)" in later
+    opt = Muon([(n, p) for n, p in model.named_parameters() if n.startswith("blocks")])
+    head = {"params": [("lm_head.weight", model.lm_head.weight)]}
+    (later,) = _caught(lambda: opt.add_param_group(head))  # after the constructor: at once, by name
+    assert "lm_head.weight (the output head (by its name))" in later
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", category=muon_dtensor.WrongMatrixWarning)  # the documented way

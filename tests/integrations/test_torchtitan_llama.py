@@ -145,14 +145,17 @@ def test_wrong_matrix_warning_on_torchtitan_llama() -> None:
     from torchtitan.models.llama3 import model_registry
 
     model = model_registry("debugmodel").model.build()
-    matrices = [p for p in model.parameters() if p.ndim == 2]  # by hand: every matrix to Muon
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        Muon(matrices)
-    (message,) = [str(w.message) for w in seen if issubclass(w.category, WrongMatrixWarning)]
-    assert "tok_embeddings.weight (an nn.Embedding weight)" in message
-    assert "lm_head.weight (the output head)" in message
-    assert "layers." not in message
+        with pytest.raises(ValueError, match="2D parameters"):  # its norms: the error that follows
+            Muon(model.parameters())  # the model is known: by module type
+        Muon([(n, p) for n, p in model.named_parameters() if p.ndim == 2])  # names only: by name
+    typed, named = [str(w.message) for w in seen if issubclass(w.category, WrongMatrixWarning)]
+    assert "tok_embeddings.weight (an nn.Embedding weight)" in typed
+    assert "lm_head.weight (the output head)" in typed
+    assert "tok_embeddings.weight (an embedding (by its name))" in named
+    assert "lm_head.weight (the output head (by its name))" in named
+    assert "layers." not in typed + named
 
 
 def _py_blocks(section: str) -> list[str]:
