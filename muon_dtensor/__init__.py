@@ -16,6 +16,7 @@ from .base.moved import keep_old_paths
 from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 
 if TYPE_CHECKING:
+    from .checks.wrong_matrix import WrongMatrixWarning
     from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
     from .numerics.ns_config import resolve_ns_config
     from .optim.optimizer import ADAMW_DEFAULTS, Muon
@@ -32,6 +33,7 @@ _WHERE = {
     "ADAMW_DEFAULTS": ".optim.optimizer",
     "Muon": ".optim.optimizer",
     "split_params": ".optim.param_groups",
+    "WrongMatrixWarning": ".checks.wrong_matrix",
     "MatrixEntry": ".sharding.plan.build",
     "Plan": ".sharding.plan.build",
     "build_plan": ".sharding.plan.build",
@@ -46,6 +48,7 @@ __all__ = [
     "NSConfig",
     "Plan",
     "QKClipFactors",
+    "WrongMatrixWarning",
     "build_plan",
     "newton_schulz",
     "orthogonalize",

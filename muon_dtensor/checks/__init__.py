@@ -4,7 +4,8 @@ per-rank data flags (``preflight``), the agreement's digest of the settings (``a
 group's fingerprint (``step_scope``), summed together once per scope (``step_checks``), each group's
 checked settings kept until a value changes (``settings_cache``), and the
 identity of a step group or QK-Clip process group agreed over the default group
-(``group_identity``). ``names`` and ``warn`` moved to ``base/`` (their old paths import them for one
+(``group_identity``), and the local warning where a Muon group holds an embedding or an output head
+(``wrong_matrix``). ``names`` and ``warn`` moved to ``base/`` (their old paths import them for one
 release). Row ``checks/`` of docs/design.md's layer table."""
 
 from ..base.moved import keep_old_paths

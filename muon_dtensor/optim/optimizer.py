@@ -17,6 +17,7 @@ from ..checks.group_identity import agree_step_group
 from ..checks.step_checks import StepChecks
 from ..checks.together import refuse_after_failure
 from ..checks.validation import NSSplit, Owners
+from ..checks.wrong_matrix import WrongMatrixScan
 from ..numerics.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     NSAlgorithm,
@@ -98,6 +99,7 @@ class Muon(report.Reports, Optimizer):
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
         error: Exception | None = None
+        self._wrong_matrices = WrongMatrixScan(params)  # before the generator is read (api.md)
         try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
             values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
             options: dict[str, Any] = dict(
@@ -118,8 +120,10 @@ class Muon(report.Reports, Optimizer):
             super().__init__(params, defaults)
         except Exception as e:
             if step_group is None:
+                self._wrong_matrices.close()
                 raise
             error = e
+        self._wrong_matrices.close()
         if step_group is not None:  # collective over the default group: every rank passes one
             agree_step_group(step_group, getattr(self, "param_groups", []), process_group, error)
 
@@ -131,6 +135,7 @@ class Muon(report.Reports, Optimizer):
             param_group["momentum_dtype"] = None
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
+        self._wrong_matrices.add(group, param_names(group, index))  # local; warns, never raises
         try:  # local checks only: collectives wait for the first step, once every rank agrees
             validation.admit_group(group, index, param_names(group, index))
         except Exception:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
+from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
 from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.models import build
@@ -95,6 +96,10 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("load_checkpoint", "root", "ckpt", "other"),
     ("load_safetensors", "strict", True, False),
     ("load_safetensors", "folder", "hf", "empty"),
+    # clip_grad_norm_stages_ (pipeline clipping): the arguments, a bad value on one rank
+    ("clip_grad_norm_stages_", "max_norm", 1.0, 2.0),
+    ("clip_grad_norm_stages_", "norm_type", 2.0, float("inf")),
+    ("clip_grad_norm_stages_", "max_norm (bad)", 1.0, -1.0),
 ]
 
 
@@ -249,6 +254,13 @@ def _load_safetensors(env: Env, arg: str, value: Any) -> None:
     ckpt.load_safetensors(env.model, folder, **({"strict": value} if arg == "strict" else {}))
 
 
+def _clip(env: Env, arg: str, value: Any) -> None:
+    """Every rank one stage of its own (group: the default group), its gradients watched."""
+    env.watch(*[p.grad for p in env.model.parameters() if p.grad is not None])
+    kwargs = {"max_norm": 1.0, "norm_type": 2.0, arg.split(" ")[0]: value}
+    clip_grad_norm_stages_(env.model.parameters(), **kwargs)
+
+
 CALLS: dict[str, Callable[[Env, str, Any], None]] = {
     "step": _step,
     "Muon": _muon,
@@ -258,6 +270,7 @@ CALLS: dict[str, Callable[[Env, str, Any], None]] = {
     "async_save_checkpoint": lambda env, arg, value: _save(env, arg, value, ckpt.async_save_checkpoint),
     "load_checkpoint": _load,
     "load_safetensors": _load_safetensors,
+    "clip_grad_norm_stages_": _clip,
 }
 
 
