@@ -3,9 +3,4 @@
 per-rank data flags (``preflight``), the agreement's digest of the settings (``agreement``), the step
 group's fingerprint (``step_scope``), summed together once per scope (``step_checks``), and the
 identity of a step group or QK-Clip process group agreed over the default group
-(``group_identity``). ``names`` and ``warn`` moved to ``base/`` (their old paths import them for one
-release). Row ``checks/`` of docs/design.md's layer table."""
-
-from ..base.moved import keep_old_paths
-
-keep_old_paths(__name__, {"names": "muon_dtensor.base.names", "warn": "muon_dtensor.base.warn"})  # 0.6
+(``group_identity``). Row ``checks/`` of docs/design.md's layer table."""
