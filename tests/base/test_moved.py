@@ -108,3 +108,18 @@ def test_an_old_path_never_replaces_a_public_name() -> None:
         warnings.simplefilter("ignore")
         from muon_dtensor.newton_schulz import newton_schulz  # type: ignore[import-not-found]
     assert muon_dtensor.newton_schulz is function is newton_schulz and callable(function)
+
+
+def test_moved_names_keep_their_old_imports() -> None:
+    """``Owners`` and ``NSSplit`` moved beside the settings they describe (``sharding.plan.build``
+    beside the plan's ``Mode``, ``numerics.ns_config``); ``checks.validation`` still has them."""
+    from muon_dtensor.checks import validation
+    from muon_dtensor.numerics import ns_config
+    from muon_dtensor.sharding.plan import build
+
+    assert validation.Owners is build.Owners and validation.OWNERS is build.OWNERS == (
+        "auto",
+        "mesh",
+        "replica",
+    )
+    assert validation.NSSplit is ns_config.NSSplit
