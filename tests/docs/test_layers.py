@@ -172,3 +172,11 @@ def test_each_folder_docstring_points_to_its_row_and_names_all_or_none(layer: st
     named = [m for m in modules if f"``{m}``" in doc]
     missing = sorted(set(modules) - set(named))
     assert not named or not missing, f"muon_dtensor/{path}__init__.py names {named} but not {missing}"
+
+
+def test_tests_mirror_the_package_with_no_test_file_at_the_root() -> None:
+    """A test sits in the folder of what it tests (CONTRIBUTING.md, "Where a change goes"): the
+    harness's own tests in ``tests/harness/``; at the root only ``conftest.py`` and shared helpers."""
+    root = PACKAGE.parent / "tests"
+    stray = sorted(p.name for p in root.glob("test_*.py"))
+    assert not stray, f"test files at the tests root: {stray}; move each into the folder it tests"
