@@ -22,7 +22,7 @@ class WeakMemo(Generic[V]):
     """``memo.get(obj)`` -> the value stored for this very object, or None; ``memo.put(obj, v)``."""
 
     def __init__(self, limit: int = 4096) -> None:
-        self._entries: dict[int, tuple[Callable[[], object], V]] = {}
+        self._entries: dict[int, tuple[object, V]] = {}
         self._limit = limit
 
     def __len__(self) -> int:
@@ -30,7 +30,10 @@ class WeakMemo(Generic[V]):
 
     def get(self, key: object) -> V | None:
         hit = self._entries.get(id(key))
-        return hit[1] if hit is not None and hit[0]() is key else None
+        if hit is None:
+            return None
+        held = hit[0]  # the key itself (a tuple), or a weak reference to it
+        return hit[1] if held is key or (type(held) is weakref.ref and held() is key) else None
 
     def put(self, key: object, value: V) -> V:
         if len(self._entries) >= self._limit:
@@ -38,24 +41,14 @@ class WeakMemo(Generic[V]):
         slot = id(key)
         entries = self._entries
         try:
-            ref: Callable[[], object] = weakref.ref(key, _dropper(entries, slot))
+            held: object = weakref.ref(key, _dropper(entries, slot))
         except TypeError:  # a tuple: held, so its id cannot pass to another object
-            ref = _Held(key)
-        entries[slot] = (ref, value)
+            held = key
+        entries[slot] = (held, value)
         return value
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-class _Held:
-    __slots__ = ("key",)
-
-    def __init__(self, key: object) -> None:
-        self.key = key
-
-    def __call__(self) -> object:
-        return self.key
 
 
 def _dropper(entries: dict[int, Any], slot: int) -> Callable[[object], None]:
