@@ -161,9 +161,9 @@ def load_checkpoint(
     folder, titan = _source(root, chosen)
     rank = collectives.rank_and_size(process_group)[0]
     manifest = _titan_manifest(folder, rank) if titan else _verify(folder, process_group)
-    layout = TORCHTITAN if titan else format_of_manifest(manifest)
-    state, filled = _check_and_read(folder, manifest, layout, parts, fresh, process_group)
-    _apply(state, layout, filled, parts, fresh)
+    key_format = TORCHTITAN if titan else format_of_manifest(manifest)
+    state, filled = _check_and_read(folder, manifest, key_format, parts, fresh, process_group)
+    _apply(state, key_format, filled, parts, fresh)
     if fresh and rank == 0:
         log.warning(
             "load_checkpoint(optimizer_state='fresh'): loaded the model weights of %s; the optimizer "
@@ -192,7 +192,7 @@ def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
 def _check_and_read(
     folder: Path,
     manifest: dict[str, Any],
-    layout: KeyFormat,
+    key_format: KeyFormat,
     parts: Parts,
     fresh: bool,
     group: dist.ProcessGroup | None,
@@ -202,12 +202,12 @@ def _check_and_read(
     states: list[PartState] = []
 
     def template() -> dict[str, Any]:
-        if layout.format == 1:
+        if key_format.format == 1:
             return _by_index_state(parts, with_optimizer)
         states.extend(part_states(parts, with_optimizer))
         state = dcp_state(states)
         if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)
-            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), layout.optim)
+            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), key_format.optim)
         return state
 
     state, error = attempt(template)
@@ -219,7 +219,7 @@ def _check_and_read(
 
     def check() -> None:
         metadata = read_metadata(folder, manifest["files"])
-        check_compatible(folder, metadata, flat, layout, everywhere, groups)
+        check_compatible(folder, metadata, flat, key_format, everywhere, groups)
 
     raise_together(attempt(check)[1], group, "load_checkpoint")
     rank = collectives.rank_and_size(group)[0]
@@ -257,10 +257,10 @@ def _read(folder: Path, files: Any, state: dict[str, Any], group: dist.ProcessGr
 
 
 def _apply(
-    state: dict[str, Any], layout: KeyFormat, states: list[PartState], parts: Parts, fresh: bool
+    state: dict[str, Any], key_format: KeyFormat, states: list[PartState], parts: Parts, fresh: bool
 ) -> None:
     """Hand the loaded state to the parts (and their optimizers, unless they start fresh)."""
-    if layout.format == 2:
+    if key_format.format == 2:
         apply(state, states, parts)
     else:
         model, optimizer = parts.pairs()[0]

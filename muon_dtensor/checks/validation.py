@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..numerics.elementwise import ADJUST_LR
 from ..numerics.newton_schulz import NSConfig
-from ..numerics.ns_config import NS_DTYPES, ns_dtype_name, resolve_ns_config
-from ..sharding.plan.build import MODES, check_mode
+from ..numerics.ns_config import NS_DTYPES, NSSplit, ns_dtype_name, resolve_ns_config
+from ..sharding.plan.build import MODES, OWNERS, Owners, check_mode
 from .param_checks import check_params
 
 __all__ = [
@@ -48,10 +48,6 @@ __all__ = [
     "resolve_ns_config",
 ]
 
-# Where HSDP parameters find their owners (``optim/policy.py``).
-Owners = Literal["auto", "mesh", "replica"]
-OWNERS: tuple[str, ...] = get_args(Owners)
-NSSplit = Literal["off", "auto"] | int
 # float16: refused (momentum_dtype_name); int8: blockwise 8-bit with float32 block maxima (numerics/blockwise.py)
 MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 

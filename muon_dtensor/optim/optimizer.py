@@ -16,7 +16,6 @@ from ..checks import validation
 from ..checks.group_identity import agree_step_group
 from ..checks.step_checks import StepChecks
 from ..checks.together import refuse_after_failure
-from ..checks.validation import NSSplit, Owners
 from ..checks.wrong_matrix import WrongMatrixScan
 from ..numerics.newton_schulz import (
     DEFAULT_COEFFICIENTS,
@@ -26,7 +25,8 @@ from ..numerics.newton_schulz import (
     orthogonalize,
 )
 from ..numerics.normuon import DEFAULT_BETA2
-from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode
+from ..numerics.ns_config import NSSplit
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode, Owners
 from ..sharding.plan.domains import ViewOptions
 from ..sharding.plan.param_layout import local_grad, local_of
 from ..sharding.runtime.comm import CommStats
@@ -52,8 +52,6 @@ __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
 # torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-# torch.optim.Muon's arguments, in its order; then ours.
-_TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
 _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
 # NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
 _NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
@@ -101,12 +99,26 @@ class Muon(report.Reports, Optimizer):
         error: Exception | None = None
         self._wrong_matrices = WrongMatrixScan(params)  # before the generator is read (api.md)
         try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
-            values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
-            options: dict[str, Any] = dict(
-                ns_algorithm=ns_algorithm, mode=mode, max_round_bytes=max_round_bytes
+            defaults = _muon_defaults(
+                {
+                    "lr": lr,
+                    "weight_decay": weight_decay,
+                    "momentum": momentum,
+                    "nesterov": nesterov,
+                    "ns_coefficients": ns_coefficients,
+                    "eps": eps,
+                    "ns_steps": ns_steps,
+                    "adjust_lr_fn": adjust_lr_fn,
+                    "ns_algorithm": ns_algorithm,
+                    "mode": mode,
+                    "max_round_bytes": max_round_bytes,
+                    "owners": owners,
+                    "ns_split": ns_split,
+                    "capturable": capturable,
+                    "ns_dtype": ns_dtype,
+                    "momentum_dtype": momentum_dtype,
+                }
             )
-            options.update(owners=owners, ns_split=ns_split, capturable=capturable, ns_dtype=ns_dtype)
-            defaults = _muon_defaults(values, momentum_dtype, options)
             validation.check_process_group(process_group)
             validation.check_step_group(step_group)
             self._process_group = process_group
@@ -235,14 +247,12 @@ def _kept_hyper(
     return hyper
 
 
-def _muon_defaults(
-    values: tuple, momentum_dtype: torch.dtype | str | None, options: dict[str, Any]
-) -> dict[str, Any]:
-    """The constructor's defaults: torch.optim.Muon's keys (``values`` in their order), ours, the
-    dtypes as names (``validation``'s one normalization); checked as a Muon group."""
-    defaults = dict(zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS, **options)
+def _muon_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's defaults: its arguments, the options only a param group sets (views,
+    NorMuon), the dtypes as names (``validation``'s one normalization); checked as a Muon group."""
+    defaults = {**given, **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS}
     defaults["ns_dtype"] = validation.ns_dtype_name(defaults["ns_dtype"])
-    defaults["momentum_dtype"] = validation.momentum_dtype_name(momentum_dtype)
+    defaults["momentum_dtype"] = validation.momentum_dtype_name(defaults["momentum_dtype"])
     validation.check_muon_group(defaults)
     return defaults
 
