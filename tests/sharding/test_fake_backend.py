@@ -27,6 +27,7 @@ from muon_dtensor import Muon, qk_clip_, qk_clip_all_
 from muon_dtensor.checkpoint.arguments_agree import agree, agree_save
 from muon_dtensor.checks.together import raise_together
 from muon_dtensor.sharding.runtime.comm import CommStats, simulated, start_exchange
+from muon_dtensor.testing import run_ranks as fresh_ranks
 from tests.harness.ranks import run_ranks
 
 
@@ -204,3 +205,73 @@ def test_setup_work_is_params_plus_world() -> None:
     assert max(reads, more_params[0], more_ranks[0]) <= 1  # 0: torch handed back a mesh already read
     assert cuts <= 3 * 256 and more_params[1] <= 3 * 256  # 4x the parameters: no more work
     assert more_ranks[1] == 3 * 512  # 2x the world: the O(world) part only
+
+
+# Issue 49 item 4: a fake group inside a real job switched the agreement off. A fake mesh axis of two
+# ranks in a gloo job stepped with wrong weights (each rank took its own values for both ranks'),
+# ``Muon(step_group=<a fake group>)`` let lr 0.02 against 0.03 through, and a mesh only rank 0
+# stepped on ended in a gloo abort. Each is now refused on every rank before any collective; the
+# degree-1 fake axes of torchtitan's meshes keep working (``test_mixed_backends_fake_degree_one_axis``).
+# Fresh processes: torch keeps a mesh's fake group for a later mesh over the same ranks.
+
+
+def _fake_dp_mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), backend_override={"dp": "fake"})
+
+
+def _sharded(mesh: DeviceMesh) -> Any:
+    """A parameter sharded on ``mesh``, built from local shards (no collective: ranks may differ)."""
+    return _params(mesh, [Shard(0)], [(8, 6)])[0]
+
+
+def _refused_fake(case: str) -> tuple[str, str, bool]:
+    """Rank function: (error type, message, whether this rank's weights are unchanged)."""
+    rank = dist.get_rank()
+    real = init_device_mesh("cpu", (2,))
+    p = _sharded(_fake_dp_mesh() if case in ("fake mesh axis", "only rank 0 steps", "qk_clip") else real)
+    before = p.to_local().clone()
+    try:
+        if case == "fake step_group":
+            Muon([p], lr=0.02 + 0.01 * rank, step_group=dist.new_group(backend="fake")).step()
+        elif case == "only rank 0 steps":  # rank 1 steps on plain tensors, over the same step group
+            mine = [p] if rank == 0 else [nn.Parameter(torch.ones(4, 4))]
+            Muon(mine, lr=0.02, step_group=dist.group.WORLD).step()
+        elif case == "qk_clip":
+            qk_clip_(p, p, torch.tensor([500.0]), head_dim=8, threshold=100.0)
+        else:
+            Muon([p], lr=0.02).step()
+        kind, message = "no error", ""
+    except ValueError as e:
+        kind, message = type(e).__name__, str(e)
+    return kind, message, torch.equal(p.to_local(), before)
+
+
+@pytest.mark.parametrize("case", ["fake mesh axis", "fake step_group", "only rank 0 steps", "qk_clip"])
+def test_a_fake_group_of_several_ranks_in_a_real_job_is_refused_on_every_rank(case: str) -> None:
+    results = fresh_ranks(_refused_fake, 2, case, timeout=60)
+    assert all(kind == "ValueError" and unchanged for kind, _, unchanged in results), results
+    assert results[0] == results[1], results  # "only rank 0 steps": refused where Muon is built
+    message = results[0][1]
+    assert "runs on torch's fake backend over 2 ranks" in message and "default group is gloo" in message, (
+        message
+    )
+
+
+def _fake_step_sum() -> tuple[str, str]:
+    """Rank function: rank 0 steps on a fake 2-rank mesh axis, rank 1 on a real mesh, both in the
+    default group's row (no step_group: the refusal travels in the step's first sum)."""
+    rank = dist.get_rank()
+    real, fake = init_device_mesh("cpu", (2,)), _fake_dp_mesh()
+    opt = Muon([_sharded(fake if rank == 0 else real)], lr=0.02)
+    try:
+        opt.step()
+        return "no error", ""
+    except ValueError as e:
+        return type(e).__name__, str(e)
+
+
+def test_a_fake_mesh_one_rank_steps_on_is_refused_in_the_step_on_every_rank() -> None:
+    """Once a gloo abort on rank 1: now the step group's sum names the mesh rank 1 lacks, on both."""
+    results = fresh_ranks(_fake_step_sum, 2, timeout=60)
+    assert results[0] == results[1] and results[0][0] == "ValueError", results
+    assert "the cpu mesh (dp=2) of ranks [0, 1] is stepped on by rank(s) [0] but not by [1]" in results[0][1]
