@@ -225,7 +225,7 @@ def _sharded(mesh: DeviceMesh) -> Any:
 
 
 def _refused_fake(case: str) -> tuple[str, str, bool]:
-    """Rank function: (error type, message, whether this rank's weights are unchanged)."""
+    """One case: (error type, message, whether this rank's weights are unchanged)."""
     rank = dist.get_rank()
     real = init_device_mesh("cpu", (2,))
     p = _sharded(_fake_dp_mesh() if case in ("fake mesh axis", "only rank 0 steps", "qk_clip") else real)
@@ -246,32 +246,42 @@ def _refused_fake(case: str) -> tuple[str, str, bool]:
     return kind, message, torch.equal(p.to_local(), before)
 
 
-@pytest.mark.parametrize("case", ["fake mesh axis", "fake step_group", "only rank 0 steps", "qk_clip"])
-def test_a_fake_group_of_several_ranks_in_a_real_job_is_refused_on_every_rank(case: str) -> None:
-    results = fresh_ranks(_refused_fake, 2, case, timeout=60)
-    assert all(kind == "ValueError" and unchanged for kind, _, unchanged in results), results
-    assert results[0] == results[1], results  # "only rank 0 steps": refused where Muon is built
-    message = results[0][1]
-    assert "runs on torch's fake backend over 2 ranks" in message and "default group is gloo" in message, (
-        message
-    )
-
-
-def _fake_step_sum() -> tuple[str, str]:
-    """Rank function: rank 0 steps on a fake 2-rank mesh axis, rank 1 on a real mesh, both in the
-    default group's row (no step_group: the refusal travels in the step's first sum)."""
+def _fake_step_sum() -> tuple[str, str, bool]:
+    """Rank 0 steps on a fake 2-rank mesh axis, rank 1 on a real mesh, both in the default group's
+    row (no step_group: the refusal travels in the step's first sum)."""
     rank = dist.get_rank()
     real, fake = init_device_mesh("cpu", (2,)), _fake_dp_mesh()
-    opt = Muon([_sharded(fake if rank == 0 else real)], lr=0.02)
+    p = _sharded(fake if rank == 0 else real)
+    before = p.to_local().clone()
     try:
-        opt.step()
-        return "no error", ""
+        Muon([p], lr=0.02).step()
+        kind, message = "no error", ""
     except ValueError as e:
-        return type(e).__name__, str(e)
+        kind, message = type(e).__name__, str(e)
+    return kind, message, torch.equal(p.to_local(), before)
 
 
-def test_a_fake_mesh_one_rank_steps_on_is_refused_in_the_step_on_every_rank() -> None:
-    """Once a gloo abort on rank 1: now the step group's sum names the mesh rank 1 lacks, on both."""
-    results = fresh_ranks(_fake_step_sum, 2, timeout=60)
-    assert results[0] == results[1] and results[0][0] == "ValueError", results
-    assert "the cpu mesh (dp=2) of ranks [0, 1] is stepped on by rank(s) [0] but not by [1]" in results[0][1]
+FAKE_CASES = ["fake mesh axis", "fake step_group", "only rank 0 steps", "qk_clip", "one rank's mesh"]
+
+
+def fake_cases() -> list[tuple[str, str, bool]]:
+    """Rank function: every case, in one launch (each builds its own meshes and groups)."""
+    return [_fake_step_sum() if case == "one rank's mesh" else _refused_fake(case) for case in FAKE_CASES]
+
+
+def test_a_fake_group_of_several_ranks_in_a_real_job_is_refused_on_every_rank() -> None:
+    """Each case raises the same ValueError on both ranks, and no weight moves. "only rank 0 steps"
+    is refused where Muon is built; "one rank's mesh" (once a gloo abort on rank 1) in the step
+    group's sum, which names the mesh rank 1 lacks."""
+    ranks = fresh_ranks(fake_cases, 2, timeout=120)
+    for case, *results in zip(FAKE_CASES, *ranks, strict=True):
+        assert all(kind == "ValueError" and unchanged for kind, _, unchanged in results), (case, results)
+        assert results[0] == results[1], (case, results)
+        message = results[0][1]
+        if case == "one rank's mesh":
+            assert (
+                "the cpu mesh (dp=2) of ranks [0, 1] is stepped on by rank(s) [0] but not by [1]" in message
+            )
+        else:
+            assert "runs on torch's fake backend over 2 ranks" in message, (case, message)
+            assert "default group is gloo" in message, (case, message)
