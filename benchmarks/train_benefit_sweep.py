@@ -169,7 +169,10 @@ def _one(setup: Setup, data: str | None) -> Run:
     ]
     cmd += [f"--data={data}"] if data else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+    # its own session: the scheduler shares CPU per session (autogroup), not per process
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT, start_new_session=True
+    )
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
