@@ -13,7 +13,7 @@ memory bandwidth plus its host ops; Muon's is the cost model's prediction for th
 ``measure``: the demo's ``TinyLM`` at width 512 (2 layers, 8 heads, context 128) under FSDP2 on 2
 gloo ranks, one thread each, the train_benefit arms (Newton-Schulz in float32). Each step: a
 barrier, forward and backward timed; a barrier, the optimizer step timed; each phase's time is its
-slowest rank's. Per launch 2 untimed steps, then ``--steps`` timed ones at each batch size; Muon and
+slowest rank's. Per launch 1 untimed step, then ``--steps`` timed ones at each batch size; Muon and
 AdamW alternate in fresh processes (``--repeats`` of each, which goes first alternating too); the
 median over every timed step. Beside it, the FLOP prediction for the same configuration
 (``planning.step_share.flop_share``: on a CPU both phases run at one matmul rate).
@@ -123,7 +123,7 @@ def _time_rank(arm: str, batches: list[int], steps: int) -> list[dict[str, Any]]
     out = []
     for batch in batches:
         times: list[tuple[float, float]] = []
-        for i in range(2 + steps):
+        for i in range(1 + steps):
             tokens = torch.randint(0, 256, (batch // dist.get_world_size(), SEQ + 1))
             dist.barrier()
             t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def _time_rank(arm: str, batches: list[int], steps: int) -> list[dict[str, Any]]
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if i >= 2:
+            if i >= 1:
                 times.append((t1 - t0, time.perf_counter() - t2))
         out.append({"batch": batch, "times": times})
     return out
@@ -149,7 +149,7 @@ def measure(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="step_share.py measure")
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="sequences of 128 per step")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_share_measured.json")
     args = p.parse_args(argv)
     from muon_dtensor.testing import run_ranks

@@ -159,8 +159,14 @@ def _key(settings: dict[str, Any]) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
-def _one(setup: Setup, data: str | None) -> Run:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_benefit.py"), "run", "--curve"]
+def _one(setup: Setup, data: str | None, ranks: int = 1) -> Run:
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "train_benefit.py"),
+        "run",
+        "--curve",
+        f"--ranks={ranks}",
+    ]
     cmd += [
         f"--optimizer={setup.optimizer}",
         f"--lr={setup.lr!r}",
@@ -250,4 +256,45 @@ def sweep(argv: list[str]) -> None:
 
 
 def sharded(argv: list[str]) -> None:
-    raise SystemExit("sharded: not written yet")
+    """Item 2: each arm's best at seed 0 on 2 FSDP2 ranks (gloo), against the sweep's one-process run."""
+    p = argparse.ArgumentParser(prog="train_benefit.py sharded")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "train_benefit.json")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_benefit_sharded.json")
+    args = p.parse_args(argv)
+    doc = json.loads(args.results.read_text())
+    steps = doc["protocol"]["steps"]
+    ones = {arm: _seed0(doc, arm, steps) for arm in ARMS}
+    setups = [Setup(arm, ones[arm]["settings"]["lr"], 0, steps) for arm in ARMS]
+    with ThreadPoolExecutor(len(setups)) as pool:
+        twos = list(pool.map(lambda s: _one(s, None, ranks=2), setups))
+    out = {"system": system_info(), "data_sha256": doc["data_sha256"], "arms": {}}
+    for arm, two in zip(ARMS, twos, strict=True):
+        one = ones[arm]
+        pairs = [(a["val_loss"], b["val_loss"]) for a, b in zip(one["curve"], two["curve"], strict=True)]
+        pairs.append((one["final_val_loss"], two["final_val_loss"]))
+        out["arms"][arm] = {
+            "settings": one["settings"],
+            "bitwise": all(a == b for a, b in pairs),
+            "max_abs_diff": max(abs(a - b) for a, b in pairs),
+            "val_losses_one_process": [a for a, _ in pairs],
+            "val_losses_two_ranks": [b for _, b in pairs],
+            "two_ranks_cpu_s": two["cpu_s"],
+            "two_ranks_wall_s": two["wall_s"],
+        }
+        print(f"{arm}: 2 ranks equal to one process bitwise: {out['arms'][arm]['bitwise']}", flush=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _seed0(doc: dict[str, Any], arm: str, steps: int) -> Run:
+    best = doc["summary"]["best_lr"][arm]
+    runs = [
+        r
+        for r in doc["runs"]
+        if _key(r["settings"])
+        == _key({**r["settings"], "optimizer": arm, "lr": best, "seed": 0, "steps": steps})
+    ]
+    if not runs:
+        raise SystemExit(
+            f"sharded: the results hold no seed-0 run of {arm} at lr {best}: run the sweep first"
+        )
+    return runs[0]
