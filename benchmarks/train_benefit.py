@@ -189,7 +189,8 @@ def rank_run(setup_fields: dict[str, Any], data: str | None) -> dict[str, Any]:
 
 
 def run(setup: Setup, data: str | None, ranks: int = 1) -> dict[str, Any]:
-    """One run; its settings, result, data hash and CPU seconds (this process and its ranks)."""
+    """One run; its settings, result, data hash and CPU seconds (of this process: with ``ranks`` 2 the
+    ranks are forked by the launcher and not counted)."""
     corpus = load_corpus(data)
     cpu0, wall0 = _cpu_seconds(), time.perf_counter()
     if ranks == 1:
@@ -211,8 +212,8 @@ def run(setup: Setup, data: str | None, ranks: int = 1) -> dict[str, Any]:
 
 
 def _cpu_seconds() -> float:
-    own, kids = os.times(), os.times()
-    return own.user + own.system + kids.children_user + kids.children_system
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _setup_args(p: argparse.ArgumentParser) -> None:
