@@ -74,7 +74,7 @@ def __dir__() -> list[str]:
 MOVED = {
     "hf": "integrations.hf",
     "resume_check": "tools.resume_check",
-    "topology": "tools.topology",
+    "topology": "tools.launch_check",  # tools.topology until 0.6.0
     "qk_clip": "features.qk_clip",
     "qk_logits": "features.qk_logits",
     **{m: f"numerics.{m}" for m in ("newton_schulz", "split_ns", "elementwise", "normuon")},
@@ -90,6 +90,13 @@ MOVED = {
 
 
 keep_old_paths(__name__, {old: f"{__name__}.{new}" for old, new in MOVED.items()}, since="0.2.0")
+# Moved in 0.6.0: the plan command's parsing and printing went up into tools/ (planning/ is arithmetic
+# only), and the check before launch got a name that says so. base/moved.py's table, on merge.
+keep_old_paths(
+    __name__,
+    {"planning.cli": f"{__name__}.tools.plan_command", "tools.topology": f"{__name__}.tools.launch_check"},
+    since="0.6.0",
+)
 
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).
