@@ -9,13 +9,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..planning.costmodel import Prediction
+from ..planning.costmodel import CURRENT, Prediction
+from ..planning.experts import ExpertLayout, moe_predict
 from ..planning.inputs import format_bytes
+from ..planning.shapes import MoEModel
 from .configs import load_config, meta_model, muon_matrices, validate_config
-from .launch_check import IMBALANCE_HINT, LONG_CHECK, Check, check, modelled_step
+from .launch_check import IMBALANCE_HINT, LONG_CHECK, Check, check, modelled_step, moe_model
 from .plan_flags import hardware
 
-__all__ = ["launch_step", "report", "run_check"]
+__all__ = ["launch_step", "priced_by", "report", "run_check"]
 
 
 def _head_dim(args: Any, config: Mapping[str, Any]) -> tuple[int | None, str]:
@@ -25,26 +27,53 @@ def _head_dim(args: Any, config: Mapping[str, Any]) -> tuple[int | None, str]:
     return config.get("head_dim") or None, "the config's head_dim"
 
 
-def launch_step(args: Any, shapes: Sequence[tuple[int, int]], split: bool | None = None) -> Prediction:
+def launch_step(
+    args: Any, shapes: Sequence[tuple[int, int]], split: bool | None = None, moe: MoEModel | None = None
+) -> Prediction:
     """The one modelled step of a launch (``launch_check.modelled_step``) for parsed arguments, which
-    ``--check`` and ``--rehearse`` both print: the same hardware flags, owners and Newton-Schulz."""
+    ``--check`` and ``--rehearse`` both print: the same hardware flags, owners and Newton-Schulz. An
+    MoE model (``launch_check.moe_model``) without replicas is priced as dense and expert groups
+    (``experts.moe_predict``, ``--ep`` as torchtitan lays experts out)."""
+    split = args.ns_split == "auto" if split is None else split
+    if moe is not None and args.hsdp == 1:
+        layout = ExpertLayout(args.gpus, getattr(args, "ep", None))
+        impl = replace(CURRENT, max_round_bytes=args.max_round_bytes or None)
+        return moe_predict(
+            moe,
+            layout,
+            hardware(args),
+            impl=impl,
+            ns_steps=args.ns_steps,
+            ns_algorithm=args.ns_algorithm,
+            split=split,
+        ).step
     return modelled_step(
         shapes, args.gpus, hsdp=args.hsdp, hw=hardware(args), owners=args.owners,
         max_round_bytes=args.max_round_bytes or None, ns_steps=args.ns_steps, ns_algorithm=args.ns_algorithm,
-        split=args.ns_split == "auto" if split is None else split,
+        split=split,
     )  # fmt: skip
 
 
-def _split_ms(args: Any, found: Check) -> float:
+def priced_by(args: Any, moe: MoEModel | None) -> str:
+    """How ``launch_step`` priced the step, in words."""
+    if moe is not None and args.hsdp == 1:
+        return "experts.moe_predict, dense then expert groups" + (
+            f" over ep {args.ep}" if getattr(args, "ep", None) else ""
+        )
+    return f"costmodel.predict, Shard(0) over {args.gpus // args.hsdp} ranks per replica"
+
+
+def _split_ms(args: Any, found: Check, moe: MoEModel | None) -> float:
     """The modelled step with ``ns_split="auto"`` for the checked model and layout."""
-    return launch_step(args, found.shapes, split=True).total * 1e3
+    return launch_step(args, found.shapes, split=True, moe=moe).total * 1e3
 
 
-def _suggestion(args: Any, config: Mapping[str, Any], found: Check) -> list[str]:
+def _suggestion(args: Any, found: Check, moe: MoEModel | None) -> list[str]:
     """The modelled step with ns_split="auto" when asked for, or a suggestion when owners are unbalanced."""
     if args.ns_split != "auto" and found.imbalance <= IMBALANCE_HINT:
         return []
-    split_ms, step_ms = _split_ms(args, found), launch_step(args, found.shapes, split=False).total * 1e3
+    split_ms = _split_ms(args, found, moe)
+    step_ms = launch_step(args, found.shapes, split=False, moe=moe).total * 1e3
     change = f"{step_ms:.1f} ms -> {split_ms:.1f} ms"
     if args.ns_split == "auto":
         return [f'with ns_split="auto" (--ns-split auto): modelled step {change}']
@@ -63,7 +92,7 @@ def _suggestion(args: Any, config: Mapping[str, Any], found: Check) -> list[str]
     ]
 
 
-def report(args: Any, config: Mapping[str, Any], found: Check) -> str:
+def report(args: Any, config: Mapping[str, Any], found: Check, moe: MoEModel | None = None) -> str:
     """The check as text: the model, the layout, the owners' balance, per-rank bytes, the step."""
     shard = args.gpus // (args.hsdp * args.tp)
     counts = [
@@ -95,9 +124,9 @@ def report(args: Any, config: Mapping[str, Any], found: Check) -> str:
             f"| AdamW moments and steps | {_span(found.adamw)} |",
             f"| peak transient of a step (bf16 exchange, CUDA batches) | {_span(found.peak)} |",
             "",
-            f"modelled step (launch_check.modelled_step: costmodel.predict, Shard(0) over {shard * args.tp} "
-            f"ranks per replica, the check on {hardware(args).check_backend}): {found.step_ms:.1f} ms",
-            *_suggestion(args, config, found),
+            f"modelled step (the launch's, as plan --rehearse prints it: {priced_by(args, moe)}, the check on "
+            f"{hardware(args).check_backend}): {found.step_ms:.1f} ms",
+            *_suggestion(args, found, moe),
             "OK: every Muon parameter has a layout the optimizer runs",
         ]
     )
@@ -128,12 +157,14 @@ def run_check(args: Any) -> int:
     if matrices * args.gpus > LONG_CHECK:
         print(f"laying out {matrices:,} matrices on {args.gpus:,} ranks: this takes minutes", file=sys.stderr)
     try:
+        model = meta_model(config)
+        moe = moe_model(model, head_dim)
         found = check(
-            meta_model(config), args.gpus, hsdp=args.hsdp, tp=args.tp, owners=args.owners,
+            model, args.gpus, hsdp=args.hsdp, tp=args.tp, owners=args.owners,
             max_round_bytes=args.max_round_bytes or None, head_dim=head_dim, hw=hardware(args),
         )  # fmt: skip
     except ValueError as e:
         return _refuse(str(e), 1)
-    found = replace(found, step_ms=launch_step(args, found.shapes).total * 1e3)  # the flags' Newton-Schulz
-    print(report(args, config, found))
+    found = replace(found, step_ms=launch_step(args, found.shapes, moe=moe).total * 1e3)  # the flags' model
+    print(report(args, config, found, moe))
     return 0

@@ -24,13 +24,24 @@ from torch import nn
 from ..optim.param_groups import split_params
 from ..planning.costmodel import CURRENT, Prediction, predict
 from ..planning.hardware import Hardware
+from ..planning.shapes import MoEModel
 from ..sharding.plan.blocks import AxisShard, Block, block_numel, mesh_blocks, shard_blocks
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
 from ..sharding.plan.memory import group_peak
 from ..sharding.plan.views import View, matrix_views
 from .configs import PRESETS, load_config, meta_model
 
-__all__ = ["PRESETS", "Check", "check", "load_config", "meta_model", "modelled_step"]
+__all__ = [
+    "PRESETS",
+    "Check",
+    "Laid",
+    "check",
+    "lay_out",
+    "load_config",
+    "meta_model",
+    "modelled_step",
+    "moe_model",
+]
 
 _COLWISE = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))  # TP Shard(0)
 _ROWWISE = frozenset(("o_proj", "down_proj"))  # TP Shard(1)
@@ -114,6 +125,29 @@ def modelled_step(
         list(shapes), gpus // hsdp, hw or Hardware.h200(), impl=impl, ns_steps=ns_steps,
         ns_algorithm=ns_algorithm, replicas=hsdp, owners=owners, split=split,
     )  # fmt: skip
+
+
+def moe_model(model: nn.Module, head_dim: int | None = None) -> MoEModel | None:
+    """The model as the cost model prices a mixture of experts (``planning.experts``): its 2-D Muon
+    matrices dense, its ``[E, out, in]`` stacks expert groups; None without stacks, or where the MoE
+    layers differ (then every expert is priced as a matrix of its own)."""
+    muon, heads, _ = _split(model, head_dim)
+    stacks = [(n, tuple(p.shape)) for n, p in muon if p.ndim == 3]
+    if not stacks:
+        return None
+    layers = sorted({n.rsplit(".", 3)[0] for n, _ in stacks})
+    per_layer = len(stacks) // len(layers)
+    first = tuple((s[1], s[2]) for _, s in stacks[:per_layer])
+    experts = stacks[0][1][0]
+    if per_layer * len(layers) != len(stacks) or any(s[0] != experts for _, s in stacks):
+        return None
+    if any(
+        tuple((s[1], s[2]) for _, s in stacks[i : i + per_layer]) != first
+        for i in range(0, len(stacks), per_layer)
+    ):
+        return None
+    dense = _shapes([(n, p) for n, p in muon if p.ndim == 2], heads)
+    return MoEModel("config", tuple(dense), experts, first, len(layers))
 
 
 def check(

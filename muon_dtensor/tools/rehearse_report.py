@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from ..planning.inputs import format_bytes
+from ..planning.shapes import MoEModel
 from .busiest import busiest
-from .check_report import launch_step
+from .check_report import launch_step, priced_by
 from .configs import load_config, meta_model, muon_matrices, validate_config
-from .launch_check import LONG_CHECK, Laid, lay_out
+from .launch_check import LONG_CHECK, Laid, lay_out, moe_model
 from .plan_flags import hardware
 from .rehearse import MAX_PROFILED_OPS, Rehearsal, rehearse
 
@@ -66,8 +67,9 @@ def _plans(args: Any, config: Mapping[str, Any], head_dim: int | None, matrices:
     )  # fmt: skip
 
 
-def _preflight(args: Any) -> tuple[dict[str, Any], int | None, str]:
-    """The config, rows per head, and why this rank: every check that needs no shard."""
+def _preflight(args: Any) -> tuple[dict[str, Any], int | None, str, MoEModel | None]:
+    """The config, rows per head, why this rank, and the model as MoE pricing sees it: every check
+    that needs no shard."""
     config = load_config(args.rehearse)
     validate_config(config)
     head_dim = (args.head_dim if args.head_dim is not None else config.get("head_dim")) or None
@@ -91,7 +93,7 @@ def _preflight(args: Any) -> tuple[dict[str, Any], int | None, str]:
         _say(why)
     if not args.skip_ns:
         _ns_estimate(args, laid)
-    return config, head_dim, why
+    return config, head_dim, why, moe_model(meta_model(config), head_dim)
 
 
 def _ns_estimate(args: Any, laid: Laid | None) -> None:
@@ -119,7 +121,7 @@ def _ns_options(args: Any) -> dict[str, Any]:
 def run_rehearsal(args: Any) -> int:
     """Rehearse for parsed arguments and print the report; 0, or 2 with an ``error:`` line."""
     try:
-        config, head_dim, why = _preflight(args)
+        config, head_dim, why, moe = _preflight(args)
         found = rehearse(
             config, args.gpus, args.rank, hsdp=args.hsdp, tp=args.tp, skip_ns=args.skip_ns, steps=args.steps,
             head_dim=head_dim, owners=args.owners, max_round_bytes=args.max_round_bytes or None, ep=args.ep,
@@ -128,7 +130,7 @@ def run_rehearsal(args: Any) -> int:
     except ValueError as e:
         print(f"error: --rehearse {args.rehearse!r}: {e}", file=sys.stderr)
         return 2
-    print(report(args, found, why))
+    print(report(args, found, why, moe))
     return 0
 
 
@@ -142,10 +144,12 @@ def _memory_model(r: Rehearsal) -> str:
     return f"{format_bytes(r.modelled_memory[0])} / {format_bytes(r.modelled_memory[1])}"
 
 
-def report(args: Any, r: Rehearsal, why: str = "") -> str:
+def report(args: Any, r: Rehearsal, why: str = "", moe: MoEModel | None = None) -> str:
     """The rehearsal as text: this CPU's measured figures in one column, the cost model's in another."""
     shard = args.gpus // (args.hsdp * args.tp)
-    p = launch_step(args, r.shapes)  # the one modelled step of this launch, as plan --check prints it
+    p = launch_step(
+        args, r.shapes, moe=moe
+    )  # the one modelled step of this launch, as plan --check prints it
     ns = (
         f"Newton-Schulz skipped (--skip-ns) on the {r.owned} matrices this rank owns: the host times leave it out"
         if r.skipped_ns
@@ -174,7 +178,7 @@ def report(args: Any, r: Rehearsal, why: str = "") -> str:
             f"| {setup:.2f} s (CPU model, modelled_setup_s) |",
             f"| steady step's host time (CPU time, fp32 on one core) | {r.steady_s * 1e3:.1f} ms | - |",
             f"| GPU host time (eager ops) of the modelled step | - | {p.host * 1e3:.2f} ms |",
-            f"| modelled step (launch_check.modelled_step, as plan --check) | - | {p.total * 1e3:.1f} ms |",
+            f"| modelled step (the launch's, as plan --check prints it: {priced_by(args, moe)}) | - | {p.total * 1e3:.1f} ms |",
             f"| host ops (top-level aten) | {_counted(r.host_ops)} | {r.predicted_ops:,} (host_ops.step_ops) |",
             f"| collectives | {_counted(len(r.collectives) if r.host_ops >= 0 else -1)} | {p.collectives} |",
             f"| bytes sent / received to other ranks | {format_bytes(r.sent)} / {format_bytes(r.received)} "

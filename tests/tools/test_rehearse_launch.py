@@ -45,6 +45,8 @@ def test_moe_config_rehearses(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "Muon matrices: 42;" in out
     assert ("x EP 4 for the experts" in out) == bool(ep)
     assert f"process groups created: {2 if ep else 0} by the meshes" in out
+    # the model prices dense and expert groups (experts.moe_predict): its collectives are the run's
+    assert f"| collectives | {6 if ep else 3} | {6 if ep else 3} |" in out
     assert not dist.is_initialized()
 
 
@@ -150,22 +152,30 @@ def _step_ms(text: str, pattern: str) -> float:
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--hsdp", "2", "--owners", "mesh"], ["--check-backend", "gloo", "--ns-steps", "3"]]
+    ("fields", "extra"),
+    [
+        (TINY, []),
+        (TINY, ["--hsdp", "2", "--owners", "mesh"]),
+        (TINY, ["--check-backend", "gloo", "--ns-steps", "3"]),
+        (MOE, []),
+    ],
+    ids=["fsdp", "hsdp-mesh", "gloo-ns3", "moe"],
 )
 def test_check_and_rehearse_print_one_modelled_step(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fields: dict[str, int], extra: list[str]
 ) -> None:
     """One modelled step per launch: --rehearse priced the check on gloo and --check on nccl (75.2
     against 85.4 ms for 70B on 8,192 ranks); both now call launch_check.modelled_step."""
-    config = _config(tmp_path, TINY)
+    config = _config(tmp_path, fields)
     assert cli(["plan", "--check", config, "--gpus", "16", *extra]) == 0
     checked = _step_ms(
-        capsys.readouterr().out, r"modelled step \(launch_check.modelled_step.*\): ([\d.]+) ms"
+        capsys.readouterr().out,
+        r"modelled step \(the launch's, as plan --rehearse prints it: .*\): ([\d.]+) ms",
     )
     assert cli(["plan", "--rehearse", config, "--gpus", "16", "--skip-ns", *extra]) == 0
     rehearsed = _step_ms(
         capsys.readouterr().out,
-        r"\| modelled step \(launch_check.modelled_step, as plan --check\) \| - \| ([\d.]+) ms \|",
+        r"\| modelled step \(the launch's, as plan --check prints it: .*\) \| - \| ([\d.]+) ms \|",
     )
     assert checked == rehearsed
 
