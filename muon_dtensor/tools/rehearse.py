@@ -270,7 +270,7 @@ def rehearse(
             raise ValueError(
                 f"rank {rank}'s shards and its step would take about {format_bytes(bound)}, above "
                 f"{format_bytes(max_bytes)}: rehearse on more ranks"
-            )
+            )  # before any shard is built
         say(
             f"building rank {rank}'s shards of {len(layouts):,} parameters (about {format_bytes(bound)} at the peak)"
         )
@@ -281,20 +281,7 @@ def rehearse(
             groups, lr=0.02, owners=owners, max_round_bytes=max_round_bytes,  # type: ignore[arg-type]
             orthogonalize_fn=ns, **dict(muon_options or {}),
         )  # fmt: skip
-        say("first step (set-up and step)")
-        start = time.process_time()
-        opt.step()
-        setup = time.process_time() - start
-        owned = opt.comm_stats.orthogonalized
-        say(f"first step: {setup:.2f} s of CPU; {steps} steady step(s), then one under the profiler")
-        start = time.process_time()
-        for _ in range(steps):
-            opt.step()
-        steady = (time.process_time() - start) / steps
-        predicted = _predicted_ops(opt)
-        say(f"steady step: {steady * 1e3:,.1f} ms of CPU; {predicted:,} modelled host ops")
-        profiled = predicted <= MAX_PROFILED_OPS
-        ops, collectives = _profiled_step(opt) if profiled else (-1, [])
+        setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say)
         metrics = opt.metrics()
         shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
         shard = gpus // hsdp
@@ -312,6 +299,25 @@ def rehearse(
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+def _steps(opt: Muon, steps: int, say: Progress) -> tuple[float, int, float, int, int, list[tuple[str, int]]]:
+    """The first step's CPU time and matrices orthogonalized, a steady step's CPU time, the modelled
+    host ops, and the profiled step's host ops and collectives (-1 and none above ``MAX_PROFILED_OPS``)."""
+    say("first step (set-up and step)")
+    start = time.process_time()
+    opt.step()
+    setup = time.process_time() - start
+    owned = opt.comm_stats.orthogonalized
+    say(f"first step: {setup:.2f} s of CPU; {steps} steady step(s), then one under the profiler")
+    start = time.process_time()
+    for _ in range(steps):
+        opt.step()
+    steady = (time.process_time() - start) / steps
+    predicted = _predicted_ops(opt)
+    say(f"steady step: {steady * 1e3:,.1f} ms of CPU; {predicted:,} modelled host ops")
+    ops, collectives = _profiled_step(opt) if predicted <= MAX_PROFILED_OPS else (-1, [])
+    return setup, owned, steady, predicted, ops, collectives
 
 
 def memory_bound(elements: int) -> int:
