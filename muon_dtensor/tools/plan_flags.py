@@ -139,8 +139,9 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ep",
         type=GPUS,
-        help="expert-parallel ranks, with an MoE model: experts Shard(0) over ep, Shard(1) over the "
-        "gpus / ep ranks of each (torchtitan's layout); default: stacks Shard(0) over all ranks",
+        help="expert-parallel ranks, with an MoE model (the cost model's step and --rehearse, not --check): "
+        "experts Shard(0) over ep, Shard(1) over the gpus / ep ranks of each (torchtitan's layout); "
+        "default: stacks Shard(0) over all ranks",
     )
     g.add_argument(
         "--owners", choices=("auto", "mesh", "replica"), default="auto", help="with HSDP, as Muon's (auto)"
