@@ -35,8 +35,8 @@ def sha256(path: Path) -> str:
 def momentum_memory() -> dict[str, Any]:
     """Muon's momentum bytes on the busiest rank for Llama-3-8B's matrices over FSDP on ``GPUS``, per
     momentum dtype, from the plan ``Muon.memory`` and ``plan --momentum-dtype`` use."""
-    from muon_dtensor.planning.cli import MODELS
     from muon_dtensor.planning.plans import rank_memory
+    from muon_dtensor.tools.plan_command import MODELS
 
     shapes = tuple(MODELS["llama3-8b"])
     table = {
@@ -50,7 +50,7 @@ def plan_scaling() -> dict[str, Any]:
     """``plan``'s predicted Muon step for Llama-3-8B and 70B on ``GPUS`` (FSDP, default H200-like
     hardware), and its floor: the Newton-Schulz seconds spread evenly over the ranks (the busiest
     rank's divided by the imbalance), below which no balance of owners can go."""
-    from muon_dtensor.planning.cli import parse_args, plan
+    from muon_dtensor.tools.plan_command import parse_args, plan
 
     out: dict[str, Any] = {"gpus": list(GPUS), "models": {}}
     for model in ("llama3-8b", "llama3-70b"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
@@ -10,31 +11,22 @@ USAGE = """usage: python -m muon_dtensor {demo,plan} [options]
   demo   train a small model with FSDP2 on 2 CPU ranks, crash, resume on 1 rank, compare
   plan   predict one Muon optimizer step for a model on N GPUs from the cost model;
          plan --check CONFIG --gpus N: check its layouts and memory before launch;
-         plan --rehearse CONFIG --gpus N --rank R: run rank R's real step on the fake backend
+         plan --rehearse CONFIG --gpus N (--rank R | --busiest): run one rank's real step on the
+         fake backend
 
-Each takes --help (also plan --check --help and plan --rehearse --help)."""
+Each takes --help: plan --help lists every mode's options."""
+
+
+# Each subcommand is one module's ``main(argv) -> int``, whose one parser reads all its options.
+COMMANDS = {"demo": ".demo", "plan": ".tools.plan_command"}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; return its exit status (2, the reason and the usage for an unknown one)."""
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(rest)
-    if command == "plan" and any(a == "--check" or a.startswith("--check=") for a in rest):
-        from .tools.topology import main as check_main  # the check before launch
-
-        return check_main(rest)
-    if command == "plan" and any(a == "--rehearse" or a.startswith("--rehearse=") for a in rest):
-        from .tools.rehearse import main as rehearse_main  # one rank's real step, fake backend
-
-        return rehearse_main(rest)
-    if command == "plan":
-        from .planning.cli import main as plan_main
-
-        return plan_main(rest)
+    if command in COMMANDS:
+        return int(importlib.import_module(COMMANDS[command], __package__).main(rest))
     if command in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["StridedShard", "_StridedShard", "flatten_state_dict", "has_cpu_backend", "local_tensor"]
+__all__ = [
+    "StridedShard",
+    "TorchDispatchMode",
+    "_StridedShard",
+    "flatten_state_dict",
+    "has_cpu_backend",
+    "local_tensor",
+    "tree_leaves",
+]
 
 
 def _find(name: str, modules: tuple[str, ...]) -> Any:
@@ -70,3 +78,13 @@ def local_tensor(t: Any) -> torch.Tensor:
     dominated the preflight. Same storage either way; the step runs under ``no_grad``."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+# The dispatch mode ``plan --rehearse`` records its step's collectives with, and pytree's leaves of
+# an op's arguments (``torch.utils._python_dispatch``, ``torch.utils._pytree``, in 2.9 and 2.13).
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+else:
+    TorchDispatchMode = _find("TorchDispatchMode", ("torch.utils._python_dispatch",))
+    tree_leaves = _find("tree_leaves", ("torch.utils._pytree",))

@@ -104,7 +104,7 @@ _TOP = "muon_dtensor"
 _V0_2 = {
     "hf": "integrations.hf",
     "resume_check": "tools.resume_check",
-    "topology": "tools.topology",
+    "topology": "tools.launch_check",  # tools.topology until 0.6.0
     "qk_clip": "features.qk_clip",
     "qk_logits": "features.qk_logits",
     **{m: f"numerics.{m}" for m in ("newton_schulz", "split_ns", "elementwise", "normuon")},
@@ -127,6 +127,8 @@ _V0_6 = {
     "tools.testing": "testing.runner",
     "tools.launcher": "testing.launcher",
     "tools.rank": "testing.rank",
+    "planning.cli": "tools.plan_command",  # plan's parsing and printing: planning/ is arithmetic only
+    "tools.topology": "tools.launch_check",
 }
 keep_old_paths(_TOP, {old: f"{_TOP}.{new}" for old, new in _V0_2.items()}, since="0.2.0", until="0.8.0")
 keep_old_paths(_TOP, {old: f"{_TOP}.{new}" for old, new in _V0_6.items()}, since="0.6.0", until="0.8.0")

@@ -6,13 +6,11 @@ or rates fitted from measurements (``benchmarks/calibrate.py`` fits them on the 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..sharding.plan.grid import grid_factors, ring_hops
-from .inputs import GPUS, seconds_or_rate
 
 __all__ = ["GLOO_HOP_SECONDS", "Hardware", "check_collectives", "check_seconds", "fit_latency_bandwidth"]
 
@@ -152,31 +150,3 @@ HW_FLAGS = {
     "latency_us": ("collective_latency", 1e-6),
     "op_overhead_us": ("op_overhead", 1e-6),
 }
-
-
-def hardware_args(p: argparse.ArgumentParser) -> None:
-    """``plan``'s hardware flags, each replacing one figure of ``Hardware.h200()``."""
-    d = Hardware.h200()
-    g = p.add_argument_group("hardware (default: H200 SXM, 8 per node; see muon_dtensor.planning.hardware)")
-    for flag, (field, unit) in HW_FLAGS.items():
-        cast = GPUS if field == "gpus_per_node" else seconds_or_rate(field.endswith(("flops", "bandwidth")))
-        default = getattr(d, field) / unit
-        g.add_argument("--" + flag.replace("_", "-"), type=cast, help=f"(H200: {default:g})")
-    g.add_argument(
-        "--check-backend",
-        choices=("nccl", "gloo"),
-        help="where the step's check all-reduce runs: gloo (a CPU group, as 'cuda:nccl,cpu:gloo') "
-        "costs a ring's hops of 20 us, over a grid above 256 ranks; nccl a collective latency (nccl)",
-    )
-
-
-def from_flags(args: argparse.Namespace) -> Hardware:
-    """``Hardware.h200()`` with the fields ``hardware_args``' flags set."""
-    overrides = {
-        field: getattr(args, flag) * unit
-        for flag, (field, unit) in HW_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    if getattr(args, "check_backend", None):
-        overrides["check_backend"] = args.check_backend
-    return Hardware.h200(**overrides)

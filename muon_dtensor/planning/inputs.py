@@ -1,24 +1,20 @@
-"""What ``plan`` and ``plan --check`` accept: the largest inputs, argparse types that refuse a value
-naming it and the range, and byte counts in readable units."""
+"""What ``plan`` accepts, as data: the largest inputs, the mesh shape ``gpus = replicate x shard``
+(``Layout``, checked by ``layout``) and byte counts in readable units. The flags that read them are
+``tools/plan_flags.py``'s."""
 
 from __future__ import annotations
 
-import argparse
-import math
-from collections.abc import Callable
+from dataclasses import dataclass
 
 __all__ = [
-    "GPUS",
-    "LAYERS",
     "MAX_EXPERTS",
     "MAX_GPUS",
     "MAX_LAYERS",
     "MAX_NS_STEPS",
     "MAX_WIDTH",
-    "WIDTH",
-    "bounded",
+    "Layout",
     "format_bytes",
-    "seconds_or_rate",
+    "layout",
 ]
 
 # The largest inputs ``plan`` and ``plan --check`` take. Generous for real use: the largest clusters
@@ -32,44 +28,43 @@ MAX_WIDTH = 2**20  # any one dimension of a matrix: width, MLP size, head size, 
 MAX_NS_STEPS = 1000  # Muon runs 5
 
 
-def bounded(low: int, high: int, above: str = "", below: str = "") -> Callable[[str], int]:
-    """An argparse ``type``: an integer from ``low`` to ``high``; a refusal names the value, the bound
-    it crosses and why (``above``, ``below``; argparse puts the flag in front)."""
+@dataclass(frozen=True)
+class Layout:
+    """``gpus`` = ``replicate`` replica groups x ``shard`` ranks per shard group."""
 
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value:,} is below {low:,}{below}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"{value:,} is above the limit of {high:,}{above}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
+    gpus: int
+    shard: int
+    replicate: int
 
 
-GPUS = bounded(1, MAX_GPUS, ": more GPUs than any cluster has")
-LAYERS = bounded(1, MAX_LAYERS, ": more layers than any model has")
-WIDTH = bounded(1, MAX_WIDTH, ": wider than any model's matrices (2**20)")
+def layout(gpus: int | None, shard: int | None, replicate: int | None) -> Layout:
+    """The mesh shape from any two of ``gpus``, ``shard`` and ``replicate`` (or ``gpus`` alone: one
+    shard group); ValueError naming the flags (``--gpus``, ``--shard``, ``--replicate``) otherwise."""
+    if gpus is None and shard is None:
+        raise ValueError("give --gpus, or --shard (and --replicate)")
+    if any(v is not None and v < 1 for v in (gpus, shard, replicate)):
+        raise ValueError("--gpus, --shard and --replicate must be >= 1")
+    if gpus is None:
+        assert shard is not None
+        return _within(Layout(shard * (replicate or 1), shard, replicate or 1))
+    for flag, size in (("--shard", shard), ("--replicate", replicate)):
+        if size is not None and gpus % size:
+            raise ValueError(f"--gpus {gpus} is not a multiple of {flag} {size}")
+    if shard is None:
+        shard = gpus // (replicate or 1)
+    replicate = replicate or gpus // shard
+    if shard * replicate != gpus:
+        raise ValueError(f"--gpus {gpus} is not --shard {shard} x --replicate {replicate}")
+    return _within(Layout(gpus, shard, replicate))
 
 
-def seconds_or_rate(positive: bool) -> Callable[[str], float]:
-    """An argparse ``type``: a finite float, > 0 (a rate) or >= 0 (a time)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number {'> 0' if positive else '>= 0'}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
+def _within(found: Layout) -> Layout:
+    if found.gpus > MAX_GPUS:
+        raise ValueError(
+            f"--shard {found.shard} x --replicate {found.replicate} = {found.gpus:,} GPUs is above the "
+            f"limit of {MAX_GPUS:,}: more GPUs than any cluster has"
+        )
+    return found
 
 
 def format_bytes(n: float) -> str:

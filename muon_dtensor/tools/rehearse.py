@@ -1,25 +1,24 @@
-"""``python -m muon_dtensor plan --rehearse CONFIG --gpus N --rank R [--hsdp H] [--tp T] [--skip-ns]``:
-one rank's real optimizer step for a model on N ranks, in this process, on torch's ``fake`` backend
+"""``python -m muon_dtensor plan --rehearse CONFIG --gpus N (--rank R | --busiest) [--hsdp H] [--tp T]
+[--ep E] [--skip-ns]``: one rank's real optimizer step for a model on N ranks, in this process, on torch's ``fake`` backend
 (one process plays rank R of N; collectives return at once and move nothing; docs/scale.md).
 
 It builds the model's Muon matrices (a preset or a ``config.json``, as ``plan --check`` reads them)
 as DTensors holding rank R's real local shard, laid out as FSDP2 would (``Shard(0)``; with ``--tp``,
 q, k, v, gate and up ``Shard(0)`` and o and down ``Shard(1)`` on the TP axis, FSDP2's
-``_StridedShard`` over them; with ``--hsdp``, replicated over the replica axis), steps ``Muon`` on
-them and prints the first step's set-up, the steady step's host time, its host ops and collectives
+``_StridedShard`` over them; with ``--hsdp``, replicated over the replica axis; expert stacks
+``[E, out, in]`` with ``"experts": True``, and with ``--ep`` ``Shard(0)`` over ep and ``Shard(1)`` over
+the gpus / ep ranks of each, as torchtitan lays them out), steps ``Muon`` on them and measures the first step's set-up, the steady step's host time, its host ops and collectives
 (with each one's bytes), the process groups created and the plans' memory on this rank, each beside
-the cost model's figure where it has one. ``--skip-ns``: the matrices this rank owns are not
-orthogonalized (their Newton-Schulz on a CPU is minutes for a 28,672 x 8,192 matrix); the output
-says so and how many it owned. Only the Muon matrices are built (AdamW's parameters step locally).
+the cost model's figure where it has one (its report and the checks before it: ``rehearse_report``).
+``--skip-ns``: the matrices this rank owns are not orthogonalized (their Newton-Schulz on a CPU is
+minutes for a 28,672 x 8,192 matrix). Only the Muon matrices are built (AdamW's step locally).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,25 +29,32 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..base.compat import StridedShard as _StridedShard
+from ..base.compat import TorchDispatchMode, tree_leaves
 from ..base.torch_dist import fake_store, local_shape, process_group_count
 from ..numerics.newton_schulz import orthogonalize
 from ..optim.optimizer import Muon
-from ..planning.cli import check_options, owner_options
-from ..planning.costmodel import CURRENT_CPU, Prediction, predict
+from ..planning.costmodel import CURRENT_CPU, Prediction
 from ..planning.hardware import Hardware
 from ..planning.host_ops import StepShape, step_ops
-from ..planning.inputs import GPUS, format_bytes
+from ..planning.inputs import format_bytes
 from ..planning.plans import rank_memory
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
-from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
-from .topology import _COLWISE, _ROWWISE, _split, parse_layout
+from .configs import meta_model
+from .launch_check import _COLWISE, _ROWWISE, _split, modelled_step
 
-__all__ = ["Rehearsal", "main", "parse_args", "rehearse", "report"]
+__all__ = ["Rehearsal", "rehearse"]
 
-# Bytes of this rank's shards (parameters, gradients, momentum) above which a rehearsal is refused:
-# a rank of a small world holds most of a large model.
-MAX_LOCAL_BYTES = 16 << 30
+Progress = Callable[[str], None]
+# Bytes per shard element of the step's transients (exchange buffers, Newton-Schulz's inputs and the
+# update) above the 12 of parameter, gradient and momentum, and bytes of a step whatever its size (the
+# profiler, the fake group): fitted to peaks measured on 2, 4, 8 and 16 ranks (test_rehearse_memory.py).
+TRANSIENT_BYTES = 5
+STEP_BYTES = 80 << 20
+# Modelled host ops above which the step is not profiled: the profiler keeps every event of the step
+# with its shapes (1,400 tiny matrices took 1 GiB and seconds; 14,000 grew past 6 GiB), so the host ops
+# and collectives are then reported as not counted.
+MAX_PROFILED_OPS = 20_000
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Rehearsal:
     prediction: Prediction
     skipped_ns: bool
     modelled_memory: tuple[int, int] | None = None  # momentum and peak, planning.plans.rank_memory
+    memory_bound: int = 0  # memory_bound(shard elements): the bytes the refusal above max_bytes reads
+    shapes: tuple[tuple[int, int], ...] = ()  # the matrices, as the cost model takes them
 
 
 def _skip(matrices: Sequence[Tensor], config: Any) -> list[Tensor]:
@@ -78,16 +86,24 @@ def _skip(matrices: Sequence[Tensor], config: Any) -> list[Tensor]:
     return list(matrices)
 
 
-def _mesh(gpus: int, hsdp: int, tp: int) -> DeviceMesh:
+def _meshes(gpus: int, hsdp: int, tp: int, ep: int | None) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The mesh of the dense matrices, and with ``ep`` the experts' (gpus / ep, ep): ep ranks
+    consecutive, as torchtitan's ``dp_shard_mod_ep`` x ``ep``."""
     shard = gpus // (hsdp * tp)
     dims = [(n, s) for n, s in (("replicate", hsdp), ("shard", shard), ("tp", tp)) if s > 1 or n == "shard"]
-    return init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    mesh = init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    if ep is None:
+        return mesh, None
+    return mesh, init_device_mesh("cpu", (gpus // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
 
 
 def _placements(mesh: DeviceMesh, module: str, ndim: int) -> list[Placement]:
     """FSDP2's Shard(0) on the shard axis, over TP's Shard(0) (colwise, then _StridedShard on the
-    shard axis) or Shard(1) (rowwise); Replicate on the replica axis; as ``plan --check`` lays out."""
+    shard axis) or Shard(1) (rowwise); Replicate on the replica axis; as ``plan --check`` lays out.
+    On the experts' mesh: rows Shard(1) over dp_shard_mod_ep, experts Shard(0) over ep."""
     names = mesh.mesh_dim_names or ()
+    if names == ("dp_shard_mod_ep", "ep"):
+        return [Shard(1), Shard(0)]
     tp = mesh.size(names.index("tp")) if "tp" in names else 1
     tp_dim = (0 if module in _COLWISE else 1 if module in _ROWWISE else None) if ndim == 2 else None
     out: list[Placement] = []
@@ -102,51 +118,86 @@ def _placements(mesh: DeviceMesh, module: str, ndim: int) -> list[Placement]:
 
 
 def _local(shape: torch.Size, mesh: DeviceMesh, placements: list[Placement], gen: torch.Generator) -> DTensor:
-    local = torch.randn(local_shape(shape, mesh, placements), generator=gen) * 0.02
+    # filled in place: no temporary as large as the shard (the memory bound counts the shards alone)
+    local = torch.empty(local_shape(shape, mesh, placements)).normal_(0.0, 0.02, generator=gen)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
 
 
-def _params(model: nn.Module, mesh: DeviceMesh, head_dim: int | None) -> list[dict[str, Any]]:
-    """The Muon groups of ``split_params`` with rank R's shards of each matrix, gradients set."""
+def _layouts(
+    model: nn.Module, meshes: tuple[DeviceMesh, DeviceMesh | None], head_dim: int | None
+) -> list[tuple[str, torch.Size, DeviceMesh, list[Placement], int | None]]:
+    """Each Muon parameter of ``split_params`` (expert stacks included): name, global shape, mesh,
+    placements and rows per head (None: whole matrices)."""
     muon, heads, _ = _split(model, head_dim)
-    gen = torch.Generator().manual_seed(0)
-    groups: dict[int | None, list[tuple[str, nn.Parameter]]] = {}
+    out = []
     for name, meta in muon:
         module = name.rsplit(".", 2)[-2] if "." in name else ""
-        placements = _placements(mesh, module, meta.ndim)
-        p = nn.Parameter(_local(meta.shape, mesh, placements, gen))
-        p.grad = _local(meta.shape, mesh, placements, gen)
-        groups.setdefault(heads.get(name), []).append((name, p))
-    out: list[dict[str, Any]] = []
-    for rows, named in groups.items():
-        out.append({"params": named, **({"head_dim": rows} if rows else {})})
+        mesh = meshes[1] if meta.ndim == 3 and meshes[1] is not None else meshes[0]
+        out.append((name, meta.shape, mesh, _placements(mesh, module, meta.ndim), heads.get(name)))
     return out
+
+
+def local_elements(layouts: Sequence[tuple[str, torch.Size, DeviceMesh, list[Placement], int | None]]) -> int:
+    """Elements of this rank's shards of ``layouts`` (before any is built)."""
+    return sum(math.prod(local_shape(shape, mesh, pl)) for _, shape, mesh, pl, _ in layouts)
+
+
+def _params(
+    layouts: Sequence[tuple[str, torch.Size, DeviceMesh, list[Placement], int | None]],
+) -> list[dict[str, Any]]:
+    """The Muon groups (per rows per head; expert stacks ``"experts": True``) with this rank's shard
+    of each matrix, gradients set."""
+    gen = torch.Generator().manual_seed(0)
+    groups: dict[tuple[int | None, bool], list[tuple[str, nn.Parameter]]] = {}
+    for name, shape, mesh, placements, rows in layouts:
+        p = nn.Parameter(_local(shape, mesh, placements, gen))
+        p.grad = _local(shape, mesh, placements, gen)
+        groups.setdefault((rows, len(shape) == 3), []).append((name, p))
+    return [
+        {"params": named, **({"head_dim": rows} if rows else {}), **({"experts": True} if experts else {})}
+        for (rows, experts), named in groups.items()
+    ]
 
 
 def _pg_count() -> int:
     return process_group_count()
 
 
+class _Collectives(TorchDispatchMode):
+    """The step's collectives as they are dispatched: name and the bytes of their tensors (an
+    all-reduce's tensor; an all-to-all's input and output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.name()
+        if name.startswith("c10d::"):
+            tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
+            self.seen.append((name.split(".")[0], sum(t.numel() * t.element_size() for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+
 def _profiled_step(opt: Muon) -> tuple[int, list[tuple[str, int]]]:
-    """One step under the profiler: top-level ``aten::`` ops, and per top-level collective its
-    name and the bytes of its buffers (an all-reduce's tensor; an all-to-all's input and output)."""
+    """Two steps: one under the profiler, counting top-level ``aten::`` ops and collectives, and one
+    that records each collective's name and the bytes of its buffers (``_Collectives``). The
+    profiler's shapes would cost hundreds of MiB on a rank that owns many matrices (560 MiB on 2
+    ranks of an 8-layer model of width 1024), so it records none."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
         opt.step()
-    ops, collectives = 0, []
-    for e in prof.profiler.function_events:
-        if not e.name.startswith(("aten::", "c10d::")) or not _top_level(e):
-            continue
-        if e.name.startswith("aten::"):
-            ops += 1
-            continue
-        shapes = e.structured_input_shapes or []
-        item = 2 if "BFloat16" in str(e.input_dtypes) else 4 if "Float" in str(e.input_dtypes) else 8
-        flat = [s for arg in shapes for s in (arg if arg and isinstance(arg[0], list) else [arg]) if s]
-        collectives.append((e.name, sum(math.prod(s) for s in flat) * item))
-    return ops, collectives
+    ops = sum(1 for e in prof.profiler.function_events if e.name.startswith("aten::") and _top_level(e))
+    counted = sum(1 for e in prof.profiler.function_events if e.name.startswith("c10d::") and _top_level(e))
+    with _Collectives() as mode:
+        opt.step()
+    if len(mode.seen) != counted:  # a bug, not a user error: the two steps must run the same collectives
+        raise AssertionError(
+            f"the profiler counted {counted} collectives and the step dispatched {len(mode.seen)}"
+        )
+    return ops, mode.seen
 
 
 def _top_level(event: Any) -> bool:
@@ -178,50 +229,102 @@ def _predicted_ops(opt: Muon) -> int:
     return total
 
 
+class _CountedNS:
+    """``orthogonalize`` that reports its progress (matrices done, CPU seconds) at most every
+    ``every`` seconds: a real Newton-Schulz on a CPU takes minutes per large matrix."""
+
+    def __init__(self, progress: Progress | None, every: float = 10.0) -> None:
+        self.progress, self.every, self.done = progress, every, 0
+        self.start = self.last = time.process_time()
+
+    def __call__(self, matrices: Sequence[Tensor], config: Any) -> list[Tensor]:
+        out = orthogonalize(matrices, config)
+        self.done += len(matrices)
+        now = time.process_time()
+        if self.progress is not None and now - self.last >= self.every:
+            self.progress(f"Newton-Schulz: {self.done:,} matrices done, {now - self.start:,.0f} s of CPU")
+            self.last = now
+        return out
+
+
 def rehearse(
     config: dict[str, Any], gpus: int, rank: int, *, hsdp: int = 1, tp: int = 1, skip_ns: bool = False,
     steps: int = 2, head_dim: int | None = None, owners: str = "auto",
-    max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
+    max_round_bytes: int | None = DEFAULT_ROUND_BYTES, ep: int | None = None, hw: Hardware | None = None,
+    max_bytes: int | None = None, progress: Progress | None = None, muon_options: Mapping[str, Any] | None = None,
 ) -> Rehearsal:  # fmt: skip
-    """Rank ``rank`` of ``gpus`` (``hsdp`` replicas x shards x ``tp``) on the fake backend: build its
-    shards of ``config``'s Muon matrices, step, and measure. Creates and destroys the default group."""
+    """Rank ``rank`` of ``gpus`` (``hsdp`` replicas x shards x ``tp``; expert stacks over ``ep`` x gpus /
+    ``ep``) on the fake backend: build its shards of ``config``'s Muon matrices, step, and measure,
+    beside ``modelled_step`` on ``hw``. ValueError before any shard is built when the bound
+    (``memory_bound``) is above ``max_bytes``. ``progress`` receives a line per phase; ``muon_options``
+    go to ``Muon`` (``ns_steps``, ``ns_algorithm``, ``ns_split``). Creates and destroys the default group."""
     if dist.is_initialized():
         raise ValueError("a process group exists already: rehearse in a process of its own")
+    say = progress or (lambda line: None)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
     try:
         before = _pg_count()
-        mesh = _mesh(gpus, hsdp, tp)
-        groups = _params(meta_model(config), mesh, head_dim)
+        layouts = _layouts(meta_model(config), _meshes(gpus, hsdp, tp, ep), head_dim)
+        bound = memory_bound(local_elements(layouts))
+        if max_bytes is not None and bound > max_bytes:
+            raise ValueError(
+                f"rank {rank}'s shards and its step would take about {format_bytes(bound)}, above "
+                f"{format_bytes(max_bytes)}: rehearse on more ranks"
+            )  # before any shard is built
+        say(
+            f"building rank {rank}'s shards of {len(layouts):,} parameters (about {format_bytes(bound)} at the peak)"
+        )
+        groups = _params(layouts)
         after_mesh = _pg_count()
+        ns = _skip if skip_ns else _CountedNS(progress)
         opt = Muon(
             groups, lr=0.02, owners=owners, max_round_bytes=max_round_bytes,  # type: ignore[arg-type]
-            orthogonalize_fn=_skip if skip_ns else orthogonalize,
+            orthogonalize_fn=ns, **dict(muon_options or {}),
         )  # fmt: skip
-        start = time.process_time()
-        opt.step()
-        setup = time.process_time() - start
-        owned = opt.comm_stats.orthogonalized
-        start = time.process_time()
-        for _ in range(steps):
-            opt.step()
-        steady = (time.process_time() - start) / steps
-        ops, collectives = _profiled_step(opt)
+        setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say)
         metrics = opt.metrics()
         shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
         shard = gpus // hsdp
-        hw = Hardware.h200(check_backend="gloo")  # the check on a CPU group, as "cuda:nccl,cpu:gloo"
-        prediction = predict(shapes, shard, hw, replicas=hsdp, owners=owners)
         return Rehearsal(
             matrices=len(shapes),
             local_elements=sum(p.to_local().numel() for g in opt.param_groups for p in g["params"]),
             setup_s=setup, steady_s=steady, host_ops=ops, collectives=collectives,
             sent=int(metrics["muon/bytes_sent"]), received=int(metrics["muon/bytes_received"]),
             groups_mesh=after_mesh - before, groups_optimizer=_pg_count() - after_mesh, owned=owned,
-            memory=opt.memory(), predicted_ops=_predicted_ops(opt), prediction=prediction, skipped_ns=skip_ns,
-            modelled_memory=_modelled_memory(shapes, shard // tp, hsdp, tp, rank, max_round_bytes),
+            memory=opt.memory(), predicted_ops=predicted,
+            prediction=modelled_step(shapes, gpus, hsdp=hsdp, hw=hw, owners=owners, max_round_bytes=max_round_bytes),
+            skipped_ns=skip_ns,
+            modelled_memory=None if ep else _modelled_memory(shapes, shard // tp, hsdp, tp, rank, max_round_bytes),
+            memory_bound=bound, shapes=tuple(shapes),
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+def _steps(opt: Muon, steps: int, say: Progress) -> tuple[float, int, float, int, int, list[tuple[str, int]]]:
+    """The first step's CPU time and matrices orthogonalized, a steady step's CPU time, the modelled
+    host ops, and the profiled step's host ops and collectives (-1 and none above ``MAX_PROFILED_OPS``)."""
+    say("first step (set-up and step)")
+    start = time.process_time()
+    opt.step()
+    setup = time.process_time() - start
+    owned = opt.comm_stats.orthogonalized
+    say(f"first step: {setup:.2f} s of CPU; {steps} steady step(s), then one under the profiler")
+    start = time.process_time()
+    for _ in range(steps):
+        opt.step()
+    steady = (time.process_time() - start) / steps
+    predicted = _predicted_ops(opt)
+    say(f"steady step: {steady * 1e3:,.1f} ms of CPU; {predicted:,} modelled host ops")
+    ops, collectives = _profiled_step(opt) if predicted <= MAX_PROFILED_OPS else (-1, [])
+    return setup, owned, steady, predicted, ops, collectives
+
+
+def memory_bound(elements: int) -> int:
+    """Bytes a rehearsal holding ``elements`` float32 elements of shards peaks at above the interpreter:
+    parameters, gradients and momentum (4 bytes each), the step's transients (``TRANSIENT_BYTES`` per
+    element) and ``STEP_BYTES`` (measured: tests/tools/test_rehearse_memory.py)."""
+    return elements * (12 + TRANSIENT_BYTES) + STEP_BYTES
 
 
 # Ranks up to which the rehearsal prices this rank's memory with the cost model's plan (it plans every
@@ -238,108 +341,3 @@ def _modelled_memory(
         return None
     momentum, peak = rank_memory(tuple(shapes), shard, hsdp, False, limit)
     return momentum[rank % shard], peak[rank % shard]
-
-
-def _memory_model(r: Rehearsal) -> str:
-    if r.modelled_memory is None:
-        return f"plan --check (TP, or above {MODELLED_MEMORY_RANKS:,} ranks)"
-    return f"{format_bytes(r.modelled_memory[0])} / {format_bytes(r.modelled_memory[1])}"
-
-
-def report(args: argparse.Namespace, r: Rehearsal) -> str:
-    """The rehearsal as text, each measured figure beside the cost model's."""
-    shard = args.gpus // (args.hsdp * args.tp)
-    p = r.prediction
-    ns = (
-        f"Newton-Schulz skipped (--skip-ns) on the {r.owned} matrices this rank owns: the host times leave it out"
-        if r.skipped_ns
-        else f"Newton-Schulz run for real on the {r.owned} matrices this rank owns (CPU; --skip-ns leaves it out)"
-    )
-    counts: dict[str, list[int]] = {}
-    for name, nbytes in r.collectives:
-        counts.setdefault(name, []).append(nbytes)
-    listed = "; ".join(
-        f"{n} x{len(b)}: {', '.join(format_bytes(x) for x in b[:6])}{' ...' if len(b) > 6 else ''}"
-        for n, b in counts.items()
-    )
-    mem = r.memory
-    return "\n".join(
-        [
-            f"rehearsal: {args.rehearse} on {args.gpus:,} ranks = {args.hsdp} replica group(s) x {shard:,} "
-            f"shards x {args.tp} TP, rank {args.rank}, fake backend (one process; collectives move nothing)",
-            f"Muon matrices: {r.matrices:,}; this rank's shard elements: {r.local_elements:,}; {ns}",
-            "",
-            "| per step, this rank | measured (CPU process time) | cost model (H200, check on gloo) |",
-            "|---|---:|---:|",
-            f"| first step (set-up and step) | {r.setup_s:.2f} s | not modelled |",
-            f"| steady step, host | {r.steady_s * 1e3:.1f} ms | {p.host * 1e3:.2f} ms host of {p.total * 1e3:.1f} ms |",
-            f"| host ops (top-level aten) | {r.host_ops:,} | {r.predicted_ops:,} (host_ops.step_ops) |",
-            f"| collectives | {len(r.collectives)} | {p.collectives} |",
-            f"| bytes sent / received to other ranks | {format_bytes(r.sent)} / {format_bytes(r.received)} "
-            f"| {format_bytes(int(p.bytes_sent_mean))} sent (mean), {format_bytes(int(p.bytes_sent_max))} (max) |",
-            f"| momentum / peak transient (Muon.memory) | {format_bytes(mem.get('momentum', 0))} / "
-            f"{format_bytes(mem['peak_transient'])} | {_memory_model(r)} |",
-            "",
-            f"collectives of a steady step (buffer bytes): {listed or 'none'}",
-            f"process groups created: {r.groups_mesh} by the meshes, {r.groups_optimizer} by the optimizer",
-        ]
-    )
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse ``plan --rehearse``'s arguments; exits with status 2 on bad ones (0 for ``--help``)."""
-    p = argparse.ArgumentParser(
-        prog="python -m muon_dtensor plan --rehearse",
-        description="Run one rank's real Muon step for a model on N ranks in this process, on torch's "
-        "fake backend, and print its set-up, host time, ops, collectives and memory beside the cost model's.",
-    )
-    p.add_argument(
-        "--rehearse", nargs="?", metavar="CONFIG", help=f"config.json or a preset ({', '.join(PRESETS)})"
-    )
-    p.add_argument("--gpus", type=GPUS, required=True, help="ranks in all")
-    p.add_argument("--rank", type=int, default=0, help="the rank this process plays (0)")
-    p.add_argument("--steps", type=int, default=2, help="steady steps timed (2)")
-    p.add_argument("--skip-ns", action="store_true", help="skip Newton-Schulz on the matrices this rank owns")
-    check_options(p)
-    owner_options(p)
-    args = parse_layout(p, argv, "rehearse")
-    if not 0 <= args.rank < args.gpus:
-        p.error(f"--rank {args.rank} must be between 0 and --gpus - 1 ({args.gpus - 1})")
-    if args.steps < 1:
-        p.error(f"--steps must be at least 1 but is {args.steps}")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the rehearsal; 0, or 2 for bad arguments or a model too large for one rank's memory."""
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        config = load_config(args.rehearse)
-        validate_config(config)
-        head_dim = args.head_dim if args.head_dim is not None else config.get("head_dim")
-        muon_matrices(config, head_dim or None)
-        _fits(config, args.gpus // args.hsdp)
-    except ValueError as e:
-        print(f"error: --rehearse {args.rehearse!r}: {e}", file=sys.stderr)
-        return 2
-    found = rehearse(
-        config, args.gpus, args.rank, hsdp=args.hsdp, tp=args.tp, skip_ns=args.skip_ns, steps=args.steps,
-        head_dim=head_dim or None, owners=args.owners, max_round_bytes=args.max_round_bytes or None,
-    )  # fmt: skip
-    print(report(args, found))
-    return 0
-
-
-def _fits(config: dict[str, Any], ranks: int) -> None:
-    """Refuse a rehearsal whose shards would not fit in memory: parameters, gradients and momentum
-    in float32, the model's matrices over ``ranks`` ranks (one replica)."""
-    shapes = [tuple(p.shape) for _, p in meta_model(config).named_parameters() if p.ndim >= 2]
-    nbytes = 12 * sum(math.prod(s) for s in shapes) // ranks
-    if nbytes > MAX_LOCAL_BYTES:
-        raise ValueError(
-            f"one rank's shards would take about {format_bytes(nbytes)} (parameters, gradients, momentum), "
-            f"above {format_bytes(MAX_LOCAL_BYTES)}: rehearse on more ranks"
-        )

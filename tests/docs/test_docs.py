@@ -236,7 +236,7 @@ def test_api_md_covers_the_public_packages() -> None:
         "muon_dtensor.checkpoint.safetensors",
         "muon_dtensor.planning.costmodel",
         "muon_dtensor.planning.hardware",
-        "muon_dtensor.planning.cli",
+        "muon_dtensor.tools.plan_command",
         "muon_dtensor.demo",
         "muon_dtensor.testing",
     ):

@@ -4,7 +4,6 @@ a new variant touches ``numerics/`` plus the ``plan`` flag's help and the ``Muon
 
 from __future__ import annotations
 
-import argparse
 import ast
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 import muon_dtensor
 from muon_dtensor.checks import validation
 from muon_dtensor.numerics import newton_schulz, ns_config
-from muon_dtensor.planning import cli
+from muon_dtensor.tools import plan_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 while not (
@@ -40,8 +39,7 @@ def test_every_algorithm_has_its_note_and_the_cli_offers_it() -> None:
     """One list of algorithms (``newton_schulz.NSAlgorithm``): the refusal's notes and ``plan
     --ns-algorithm`` follow it, so neither needs an edit for a new variant."""
     assert set(ns_config.ALGORITHM_NOTES) == set(newton_schulz.ALGORITHMS)
-    p = argparse.ArgumentParser()
-    cli._layout_args(p)
+    p = plan_flags.parser(["llama3-8b"])
     action = next(a for a in p._actions if "--ns-algorithm" in a.option_strings)
     assert tuple(action.choices or ()) == newton_schulz.ALGORITHMS
     with pytest.raises(ValueError, match=r"ns_algorithm should be 'standard', 'gram' or 'aol' but is: 'x'"):

@@ -298,8 +298,8 @@ def test_the_host_issues_ops_per_shape_not_per_parameter() -> None:
 def test_plan_counts_int8_momentum_as_muon_memory_does(capsys: pytest.CaptureFixture[str]) -> None:
     """``plan --momentum-dtype``: one process, the bytes ``Muon.memory`` reports for the same
     matrices; over 4 row shards, every rank's values and maxima add up to the whole's."""
-    from muon_dtensor.planning.cli import main as plan_main
     from muon_dtensor.planning.plans import rank_memory
+    from muon_dtensor.tools.plan_command import main as plan_main
 
     shapes = ((64, 300), (96, 512), (40, 40))
     params = [nn.Parameter(torch.zeros(s)) for s in shapes]

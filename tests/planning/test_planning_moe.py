@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from muon_dtensor.planning.cli import main, parse_args
 from muon_dtensor.planning.costmodel import Hardware, predict
 from muon_dtensor.planning.experts import ExpertLayout, expert_owned, moe_memory, moe_predict
 from muon_dtensor.planning.shapes import DEEPSEEK_V3, KIMI_K2, MoEModel
@@ -21,6 +20,7 @@ from muon_dtensor.planning.traffic import mean_traffic
 from muon_dtensor.sharding.plan.blocks import AxisShard, shard_blocks
 from muon_dtensor.sharding.plan.build import MatrixEntry, build_plan
 from muon_dtensor.sharding.plan.views import matrix_views
+from muon_dtensor.tools.plan_command import main, parse_args
 
 # 4 experts of 3 gated stacks in 2 MoE layers beside one dense matrix: plans in milliseconds.
 TINY = MoEModel("tiny", ((8, 8),), 4, ((12, 8), (8, 12), (12, 8)), 2)

@@ -358,7 +358,7 @@ def test_ranks_that_disagree_on_owners_all_raise_naming_it() -> None:
 def test_plan_command_prices_hsdp_with_the_optimizers_default_owners(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from muon_dtensor.planning.cli import main
+    from muon_dtensor.tools.plan_command import main
 
     assert main(["--model", "llama3-8b", "--shard", "8", "--replicate", "8", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["prediction"]

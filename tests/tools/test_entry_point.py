@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,20 @@ def test_as_a_module() -> None:
     assert (done.returncode, done.stdout) == (0, f"muon_dtensor {muon_dtensor.__version__}\n"), done.stderr
 
 
-def test_usage_points_to_the_checks_help(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_points_to_the_plan_modes_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
-    assert "plan --check CONFIG --gpus N" in (out := capsys.readouterr().out) and "plan --check --help" in out
+    out = capsys.readouterr().out
+    assert (
+        "plan --check CONFIG --gpus N" in out
+        and "plan --rehearse CONFIG --gpus N (--rank R | --busiest)" in out
+    )
+    assert "plan --help lists every mode's options" in out
+
+
+def test_subcommands_are_dispatched_by_name_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """``__main__`` picks the module by the subcommand and hands it the rest: the mode flags are
+    ``plan``'s own parser's (an argv scan sent "--rank" with "--check" to the check's parser)."""
+    source = (Path(muon_dtensor.__file__).parent / "__main__.py").read_text()
+    assert "--check" not in source.split("USAGE")[-1] and "--rehearse" not in source.split('"""')[-1]
+    assert main(["plan", "--check", "llama3-8b", "--gpus", "8", "--rank", "3"]) == 2
+    assert "--rank: not an option of --check" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import pytest
 
 from muon_dtensor.__main__ import main as package_main
 from tests.harness import background
-from tests.tools.test_topology import SMALL  # the same small config
+from tests.tools.test_launch_check import SMALL  # the same small config
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSE_S = 60  # a refusal is an import and a few checks: seconds, far from the minutes it replaces
@@ -60,11 +60,23 @@ def test_check_help_lists_its_options(plan_check_help: subprocess.CompletedProce
 
 
 @pytest.mark.slow  # a subprocess
-def test_plan_help_lists_check_and_its_options(plan_help: subprocess.CompletedProcess) -> None:
+def test_plan_help_lists_every_mode_and_its_options(plan_help: subprocess.CompletedProcess) -> None:
+    """One parser: ``plan --help`` lists --check and --rehearse with their options, under the mode
+    that takes them (the help said "of --check" for options --rehearse took too)."""
     done = plan_help
     assert done.returncode == 0, done.stderr
-    assert "check before launch (plan --check CONFIG --gpus N; plan --check --help)" in done.stdout
-    for option in ("--check CONFIG", "--hsdp R", "--tp T", "--head-dim D"):
+    assert "before launch: --check or --rehearse, on a config.json or a preset" in done.stdout
+    assert "--rehearse only:" in done.stdout and "of --check" not in done.stdout
+    for option in (
+        "--check [CONFIG]",
+        "--rehearse [CONFIG]",
+        "--hsdp R",
+        "--tp T",
+        "--head-dim D",
+        "--rank RANK",
+    ):
+        assert option in done.stdout, option
+    for option in ("--skip-ns", "--busiest", "--steps", "--ep", "--check-backend"):
         assert option in done.stdout, option
 
 

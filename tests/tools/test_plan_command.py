@@ -9,7 +9,6 @@ from dataclasses import asdict, replace
 import pytest
 
 from muon_dtensor.__main__ import main as package_main
-from muon_dtensor.planning.cli import main
 from muon_dtensor.planning.costmodel import (
     CURRENT,
     LLAMA3_8B,
@@ -18,6 +17,7 @@ from muon_dtensor.planning.costmodel import (
     predict,
     transformer_shapes,
 )
+from muon_dtensor.tools.plan_command import main
 
 SMALL = ["--layers", "2", "--dim", "256"]  # 12 matrices: each plan below takes milliseconds
 

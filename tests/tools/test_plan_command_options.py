@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 import pytest
 
-from muon_dtensor.planning.cli import main, parse_args
 from muon_dtensor.planning.costmodel import LLAMA31_405B, predict, transformer_shapes
+from muon_dtensor.tools.plan_command import main, parse_args
 
 SMALL = ["--layers", "2", "--dim", "256", "--gpus", "4"]  # MLP matrices 4:1, where gram runs
 
@@ -50,7 +50,7 @@ def test_refused_with_the_reason(capsys: pytest.CaptureFixture[str], argv: list[
         (["--latency-us", "-5"], "argument --latency-us: -5 is not a finite number >= 0"),
         (["--ns-steps", "1000000000"], "argument --ns-steps: 1,000,000,000 is above the limit of 1,000"),
         (["--kv-rows", "0"], "argument --kv-rows: 0 is below 1"),
-        (["--hsdp", "2", "--tp", "2"], "--hsdp and --tp only go with --check CONFIG"),
+        (["--hsdp", "2", "--tp", "2"], "--hsdp and --tp: not an option of the cost model's step"),
     ],
 )
 def test_out_of_range_flags_are_named(

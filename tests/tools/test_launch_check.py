@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from muon_dtensor.__main__ import main as entry
-from muon_dtensor.planning.cli import main as plan_main
-from muon_dtensor.tools.topology import check, meta_model
+from muon_dtensor.tools.launch_check import check, meta_model
+from muon_dtensor.tools.plan_command import main as plan_main
 
 SMALL = {
     "hidden_size": 64,
