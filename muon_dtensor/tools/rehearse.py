@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from ..planning.hardware import Hardware
 from ..planning.host_ops import StepShape, step_ops
 from ..planning.inputs import GPUS, format_bytes
 from ..planning.plans import rank_memory
+from ..planning.traffic import rank_traffic
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from .configs import PRESETS, load_config, meta_model, muon_matrices, validate_config
@@ -71,6 +73,8 @@ class Rehearsal:
     prediction: Prediction
     skipped_ns: bool
     modelled_memory: tuple[int, int] | None = None  # momentum and peak, planning.plans.rank_memory
+    owners: list[str] = field(default_factory=list)  # HSDP: the owners chosen per mesh, and why
+    modelled_bytes: tuple[int, int] = (0, 0)  # this rank's sent and received in the model's plan
 
 
 def _skip(matrices: Sequence[Tensor], config: Any) -> list[Tensor]:
@@ -158,7 +162,7 @@ def _top_level(event: Any) -> bool:
     return True
 
 
-def _predicted_ops(opt: Muon) -> int:
+def _predicted_ops(opt: Muon, skip_ns: bool = False) -> int:
     """``host_ops.step_ops`` of this rank's plans (the cost model's host term, with the CPU's
     elementwise pieces and one Newton-Schulz call per matrix)."""
     total = 0
@@ -173,6 +177,8 @@ def _predicted_ops(opt: Muon) -> int:
                     muon_buckets=max(1, -(-local // CURRENT_CPU.bucket_elements)),
                     bucket_elements=CURRENT_CPU.bucket_elements,
                     batched=CURRENT_CPU.batched_ns,
+                    cpu_piece=CURRENT_CPU.bucket_elements,  # the CPU's pieces, as this step runs
+                    newton_schulz=not skip_ns,
                 )
                 total += sum(step_ops(d.plan, rank, shape).values())
     return total
@@ -188,6 +194,10 @@ def rehearse(
     if dist.is_initialized():
         raise ValueError("a process group exists already: rehearse in a process of its own")
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
+    hw = Hardware.h200(check_backend="gloo")  # the check on a CPU group, as "cuda:nccl,cpu:gloo"
+    # the job's nodes as torchrun names them, so owners="auto" prices the nodes the model does
+    node_env = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus_per_node)
     try:
         before = _pg_count()
         mesh = _mesh(gpus, hsdp, tp)
@@ -209,7 +219,6 @@ def rehearse(
         metrics = opt.metrics()
         shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
         shard = gpus // hsdp
-        hw = Hardware.h200(check_backend="gloo")  # the check on a CPU group, as "cuda:nccl,cpu:gloo"
         prediction = predict(shapes, shard, hw, replicas=hsdp, owners=owners)
         return Rehearsal(
             matrices=len(shapes),
@@ -217,11 +226,24 @@ def rehearse(
             setup_s=setup, steady_s=steady, host_ops=ops, collectives=collectives,
             sent=int(metrics["muon/bytes_sent"]), received=int(metrics["muon/bytes_received"]),
             groups_mesh=after_mesh - before, groups_optimizer=_pg_count() - after_mesh, owned=owned,
-            memory=opt.memory(), predicted_ops=_predicted_ops(opt), prediction=prediction, skipped_ns=skip_ns,
+            memory=opt.memory(), predicted_ops=_predicted_ops(opt, skip_ns), prediction=prediction, skipped_ns=skip_ns,
             modelled_memory=_modelled_memory(shapes, shard // tp, hsdp, tp, rank, max_round_bytes),
+            modelled_bytes=_rank_bytes(shapes, shard, rank, hsdp, prediction.owners, max_round_bytes),
+            owners=[c.describe() for e in opt._plans.entries.values() for c in e.sharding.owner_choices],
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+        os.environ.pop("LOCAL_WORLD_SIZE") if node_env is None else os.environ.update(
+            LOCAL_WORLD_SIZE=node_env
+        )
+
+
+def _rank_bytes(
+    shapes: list[tuple[int, int]], shard: int, rank: int, hsdp: int, owners: str, limit: int | None
+) -> tuple[int, int]:
+    """This rank's bytes sent and received in the plan the cost model prices (``traffic.rank_traffic``)."""
+    t = rank_traffic(shapes, shard, rank, replicas=hsdp, owners=owners, max_round_bytes=limit)
+    return t.sent, t.received
 
 
 # Ranks up to which the rehearsal prices this rank's memory with the cost model's plan (it plans every
@@ -276,12 +298,14 @@ def report(args: argparse.Namespace, r: Rehearsal) -> str:
             f"| host ops (top-level aten) | {r.host_ops:,} | {r.predicted_ops:,} (host_ops.step_ops) |",
             f"| collectives | {len(r.collectives)} | {p.collectives} |",
             f"| bytes sent / received to other ranks | {format_bytes(r.sent)} / {format_bytes(r.received)} "
-            f"| {format_bytes(int(p.bytes_sent_mean))} sent (mean), {format_bytes(int(p.bytes_sent_max))} (max) |",
+            f"| {format_bytes(r.modelled_bytes[0])} / {format_bytes(r.modelled_bytes[1])} (this rank); "
+            f"{format_bytes(int(p.bytes_sent_mean))} sent (mean), {format_bytes(int(p.bytes_sent_max))} (max) |",
             f"| momentum / peak transient (Muon.memory) | {format_bytes(mem.get('momentum', 0))} / "
             f"{format_bytes(mem['peak_transient'])} | {_memory_model(r)} |",
             "",
             f"collectives of a steady step (buffer bytes): {listed or 'none'}",
             f"process groups created: {r.groups_mesh} by the meshes, {r.groups_optimizer} by the optimizer",
+            *(f"owners: {line}; the cost model's: {p.owners}" for line in r.owners),
         ]
     )
 
