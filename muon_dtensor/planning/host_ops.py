@@ -25,6 +25,7 @@ What each event costs, read from the code (``functional.py``, ``elementwise.py``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..sharding.plan.blocks import block_numel, block_shape
@@ -141,6 +142,21 @@ def _cuts(numels: list[int], piece: int | None, lists: int) -> int:
     return 2 * lists * sum(-(-n // piece) for n in numels if n > piece)
 
 
+def _bucket_allocs(shapes: list[tuple[int, ...]], piece: int) -> int:
+    """``elementwise.apply_results`` on CPU: its scaled temporaries allocated per bucket, over the
+    bucket's pieces (a cut piece is flat), where one bucket per round allocates them once."""
+    bucket: list[tuple[int, ...]] = []
+    allocs = size = 0
+    for s in shapes:
+        n = math.prod(s)
+        for part in [(min(piece, n - a),) for a in range(0, n, piece)] if n > piece else [s]:
+            if size and size + math.prod(part) > piece:
+                allocs, bucket, size = allocs + _allocs(bucket), [], 0
+            bucket.append(part)
+            size += math.prod(part)
+    return allocs + (_allocs(bucket) if bucket else 0)
+
+
 def _momentum(numels: list[int], shape: StepShape) -> int:
     """The momentum's ops (``elementwise.nesterov_inputs``): per bucket, and the CPU's cuts."""
     ops = shape.momentum_ops - (0 if shape.nesterov else 2)
@@ -162,7 +178,8 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     ns_steps = shape.ns_steps if shape.newton_schulz else -1  # -1: no Newton-Schulz op counted
     mid = sum(_inbound(plan, rank, r.inbound, shape.batched, ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
-    results = [_allocs([block_shape(plan.entries[m].blocks[rank]) for m in r.members]) for r in routes]
+    shapes = [[block_shape(plan.entries[m].blocks[rank]) for m in r.members] for r in routes]
+    results = [_allocs(s) if shape.cpu_piece is None else _bucket_allocs(s, shape.cpu_piece) for s in shapes]
     post = sum(results) + sum(_round_buckets(plan, rank, r.members, shape) * update for r in routes)
     post += sum(_cuts([numels[m] for m in r.members], shape.cpu_piece, 2) for r in routes)
     post += len(routes) * METRICS_ROUND

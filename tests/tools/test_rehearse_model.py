@@ -61,3 +61,37 @@ def test_rehearsal_says_which_owners_and_the_model_took_the_same(name: str) -> N
         assert "owners='auto': modelled step" in line and "8 ranks per node" in line
     else:
         assert took == owners and f"owners={owners!r}" in line
+
+
+def test_describe_says_which_owners_and_why() -> None:
+    """``describe()`` (local, no collective) names each HSDP mesh's owners after the first step
+    decided them, with the two modelled prices for ``owners="auto"``; before it, none is claimed."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from muon_dtensor import Muon
+    from muon_dtensor.base.torch_dist import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=3, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        params = []
+        for shape in [(64, 32), (32, 64), (64, 64)]:
+            local = torch.randn(shape[0] // 4, shape[1])
+            p = nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False))
+            p.grad = DTensor.from_local(
+                torch.randn_like(local), mesh, [Replicate(), Shard(0)], run_check=False
+            )
+            params.append(p)
+        opt = Muon(params, lr=0.02)
+        assert "owners of the parameters with replicas" not in opt.describe()  # not decided yet
+        opt.step()
+        text = opt.describe()
+        assert "owners of the parameters with replicas (HSDP):" in text
+        assert "group 0, mesh 2 x 4: owners " in text and "owners='auto': modelled step" in text
+        assert " ms over the mesh, " in text and " ms per replica, H200" in text
+    finally:
+        dist.destroy_process_group()
