@@ -233,9 +233,10 @@ def rehearse(
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
-        os.environ.pop("LOCAL_WORLD_SIZE") if node_env is None else os.environ.update(
-            LOCAL_WORLD_SIZE=node_env
-        )
+        if node_env is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = node_env
 
 
 def _rank_bytes(

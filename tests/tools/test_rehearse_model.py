@@ -12,6 +12,7 @@ model left out the CPU's cuts of large tensors into pieces and counted Newton-Sc
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -43,7 +44,9 @@ def _rehearse(name: str) -> Any:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_rehearsal_measures_what_the_model_counts(name: str) -> None:
+    before = os.environ.get("LOCAL_WORLD_SIZE")
     r = _rehearse(name)
+    assert os.environ.get("LOCAL_WORLD_SIZE") == before  # set to the model's node size while it ran
     assert len(r.collectives) == r.prediction.collectives, r.collectives
     assert (r.sent, r.received) == r.modelled_bytes
     assert abs(r.host_ops - r.predicted_ops) <= 0.05 * r.host_ops, (r.host_ops, r.predicted_ops)
