@@ -75,7 +75,10 @@ class GroupSharding:
         self.layouts: list[ParamLayout] = []
         self.views: list[list[View]] = []
         self.decided = not (local and owners == "auto" and any(replica_count(p) > 1 for p in params))
-        self.across = owner_meshes(params, "replica" if local and owners == "auto" else owners, vars(options))
+        # where HSDP parameters take their owners, and why (``describe`` prints ``owner_choices``)
+        self.across, self.owner_choices = owner_meshes(
+            params, "replica" if local and owners == "auto" else owners, vars(options)
+        )
         error: ValueError | None = None
         for i, (p, name) in enumerate(zip(params, names)):
             try:

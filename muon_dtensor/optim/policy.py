@@ -36,7 +36,7 @@ from ..sharding.plan.owners import mesh_entries
 from ..sharding.plan.param_layout import replica_count
 from ..sharding.runtime.comm import sum_over_mesh
 
-__all__ = ["SplitPolicy", "node_size", "owner_meshes", "split_policy"]
+__all__ = ["OwnerChoice", "SplitPolicy", "node_size", "owner_meshes", "split_policy"]
 
 
 def node_size(device_type: str) -> int:
@@ -52,9 +52,42 @@ def node_size(device_type: str) -> int:
     return dist.get_world_size()
 
 
-def _mesh_pays(params: Sequence[Tensor], mesh: DeviceMesh, view_options: Mapping[str, Any]) -> bool:
+@dataclass(frozen=True)
+class OwnerChoice:
+    """Where the parameters with replicas (HSDP) of one mesh find their owners, and why: the group's
+    ``owners`` setting, the answer, and for ``"auto"`` this rank's modelled step with owners over
+    the mesh and per replica (H200 figures, ``node_size`` ranks per node, the default rounds)."""
+
+    mesh_shape: tuple[int, ...]
+    setting: str
+    over_mesh: bool
+    prices: tuple[float, float] | None = None  # seconds: (owners over the mesh, per replica)
+    node_size: int = 1
+
+    def describe(self) -> str:
+        """One line, e.g. ``mesh 8 x 128: owners over the mesh (owners='auto': 12.3 ms against
+        15.6 ms per replica, H200 model, 8 ranks per node)``."""
+        where = "owners over the mesh" if self.over_mesh else "owners per replica"
+        shape = " x ".join(str(s) for s in self.mesh_shape)
+        if self.prices is None:
+            return f"mesh {shape}: {where} (owners={self.setting!r})"
+        mesh, replica = (f"{t * 1e3:.2f} ms" for t in self.prices)
+        why = f"{mesh} over the mesh, {replica} per replica"
+        vote = "" if self.over_mesh == (self.prices[0] < self.prices[1]) else "; another rank voted otherwise"
+        return (
+            f"mesh {shape}: {where} (owners='auto': modelled step {why}, H200, "
+            f"{self.node_size} ranks per node{vote})"
+        )
+
+
+def _mesh_pays(
+    params: Sequence[Tensor],
+    mesh: DeviceMesh,
+    view_options: Mapping[str, Any],
+    prices: dict[DeviceMesh, tuple[float, float]],
+) -> bool:
     """Whether the cost model predicts a shorter step with owners over ``mesh`` than per replica
-    (H200 figures, the default exchange rounds, this node size)."""
+    (H200 figures, the default exchange rounds, this node size); the two prices go in ``prices``."""
     try:
         entries = mesh_entries(params, mesh, view_options)
     except ValueError:
@@ -63,32 +96,36 @@ def _mesh_pays(params: Sequence[Tensor], mesh: DeviceMesh, view_options: Mapping
     nodes = [r // per_node for r in mesh.mesh.reshape(-1).tolist()]
     hw = Hardware.h200(gpus_per_node=per_node)
     times = compare_owners(entries, nodes, hw)
+    prices[mesh] = (times["mesh"], times["replica"])
     return times["mesh"] < times["replica"]
 
 
 def owner_meshes(
     params: Sequence[Tensor], owners: str, view_options: Mapping[str, Any]
-) -> frozenset[DeviceMesh]:
-    """The meshes on which parameters with replicas take owners over the whole mesh. Collective for
-    ``owners="auto"`` (one 2-integer all-reduce per mesh axis, for each such mesh): every rank of
-    a mesh gets the same answer even if their node sizes differ."""
+) -> tuple[frozenset[DeviceMesh], list[OwnerChoice]]:
+    """The meshes on which parameters with replicas take owners over the whole mesh, and per mesh
+    the choice and why (``OwnerChoice``). Collective for ``owners="auto"`` (one 2-integer
+    all-reduce per mesh axis, for each such mesh): every rank of a mesh gets the same answer even
+    if their node sizes differ."""
     hsdp = [p for p in params if isinstance(p, DTensor) and replica_count(p) > 1]
     meshes = [
         mesh for mesh in dict.fromkeys(p.device_mesh for p in hsdp) if mesh.get_coordinate() is not None
     ]
-    if owners == "replica" or not meshes:
-        return frozenset()
-    if owners == "mesh":
-        return frozenset(meshes)
-    chosen = []
+    if owners != "auto":
+        fixed = meshes if owners == "mesh" else []
+        return frozenset(fixed), [OwnerChoice(tuple(m.shape), owners, m in fixed) for m in meshes]
+    chosen: list[DeviceMesh] = []
+    prices: dict[DeviceMesh, tuple[float, float]] = {}
     # A mesh of fewer ranks than the world (a pipeline stage's) votes among its own ranks, and its
     # exchange group is created by them alone (``groups.exchange_group``), so other stages never wait.
     for mesh in meshes:
-        vote = torch.tensor([1, int(_mesh_pays(params, mesh, view_options))])
+        vote = torch.tensor([1, int(_mesh_pays(params, mesh, view_options, prices))])
         ranks, yes = (int(v) for v in sum_over_mesh(vote, mesh))
         if yes == ranks:
             chosen.append(mesh)
-    return frozenset(chosen)
+    per_node = {m: node_size(m.device_type) for m in meshes}
+    choices = [OwnerChoice(tuple(m.shape), "auto", m in chosen, prices.get(m), per_node[m]) for m in meshes]
+    return frozenset(chosen), choices
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
     lines = ["| group | algorithm | options | params | elements | matrices | owners (busiest / mean) |"]
     lines.append("|---|---|---|---:|---:|---:|---|")
     totals: Counter[str] = Counter()
-    refused, stacks = [], []
+    refused, stacks, owners = [], [], []
     for index, group in enumerate(opt.param_groups):
         algo, params = group["algorithm"], group["params"]
         elements = sum(p.numel() for p in params)
@@ -139,6 +139,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
         if algo == "muon":
             sharding = opt._sharding(index, group, local=True) if build else _built(opt, index)
             matrices, balance = _balance(sharding)
+            owners += _owner_lines(sharding, index)
             stacks += _expert_stacks(group, index) if group.get("experts") else []
         else:
             names = param_names(group, index)
@@ -151,6 +152,7 @@ def describe(opt: OptimizerView, build: bool = True) -> str:
     share = ", ".join(f"{a}: {n:,} elements" for a, n in sorted(totals.items()))
     out = [f"muon_dtensor.Muon: {len(opt.param_groups)} groups; {share}", *lines]
     out += ["expert stacks (experts=True; one matrix per expert):", *stacks] if stacks else []
+    out += ["owners of the parameters with replicas (HSDP):", *owners] if owners else []
     return "\n".join(out + (["not in Muon (AdamW) and why:", *refused] if refused else []))
 
 
@@ -216,6 +218,13 @@ def _balance(sharding: GroupSharding | None) -> tuple[str, str]:
         )
     undecided = "" if sharding.decided else " (owners='auto': per replica until the first step decides)"
     return str(sum(len(v) for v in sharding.views)), ("; ".join(parts) or "-") + undecided
+
+
+def _owner_lines(sharding: GroupSharding | None, index: int) -> list[str]:
+    """Per mesh with replicated parameters, the owners chosen and why, once the choice is made."""
+    if sharding is None or not sharding.decided:
+        return []
+    return [f"  group {index}, {choice.describe()}" for choice in sharding.owner_choices]
 
 
 def log_once(opt: OptimizerView) -> None:

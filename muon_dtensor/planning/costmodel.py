@@ -36,10 +36,11 @@ from typing import cast
 import torch
 
 from ..numerics.newton_schulz import DEFAULT_COEFFICIENTS, NSConfig, orthogonalize_flops
+from ..sharding.plan.blocks import Block
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, Round, build_plan
 from .hardware import Hardware, check_collectives, check_seconds, fit_latency_bandwidth
 from .host_ops import StepShape, step_ops
-from .links import back_links, block_numels, pipeline_seconds, to_owner_links
+from .links import back_links, local_elements, node_pattern, pipeline_seconds, to_owner_links
 from .memo import once
 from .plans import hsdp_plan, sharded_plan
 from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, Shape, transformer_shapes
@@ -118,7 +119,12 @@ class Prediction:
 
 
 def _replicas(entry: MatrixEntry) -> int:
-    return len(set(entry.replica_of)) if entry.replica_of is not None else 1
+    return _replica_count(entry.replica_of) if entry.replica_of is not None else 1
+
+
+@lru_cache(maxsize=64)  # a mesh's layouts share one replica_of tuple
+def _replica_count(replica_of: tuple[int, ...]) -> int:
+    return len(set(replica_of))
 
 
 def _round_comm(
@@ -206,8 +212,7 @@ def _phases(
     sent = [sum(c[2][r] for c in comm) for r in range(n)]
     preflight = check_seconds(hw, check_ranks or n) if n > 1 else 0.0
     checks = check_collectives(hw, check_ranks or n)
-    numels = [block_numels(e.blocks) for e in plan.entries]
-    local = max(sum(x[r] for x in numels) for r in range(n))
+    local = max(local_elements(plan), default=0)
     # blocks packed for the all-to-all to the owners: for the other ranks of this rank's replica
     replicas = max((_replicas(e) for e in plan.entries), default=1)
     shards = n // replicas
@@ -376,25 +381,47 @@ def compare_owners(
     """Seconds of the step for matrices with replicas (entries over the whole mesh, with
     ``replica_of``; group rank r on node ``nodes[r]``), with owners ``"mesh"`` and per ``"replica"``.
     Per replica, matrices laid out alike form one exchange group whose replicas run at once (the
-    slowest counts); groups laid out differently run one after the other."""
+    slowest counts); groups laid out differently run one after the other. Both choices price the
+    check over every rank of the mesh, as the step sums it (so ``predict(owners=...)`` of the same
+    layout gives the same seconds), and replicas laid out alike on alike nodes are priced once."""
     hw = hw or Hardware.h200()
     if not entries:
         return {"mesh": 0.0, "replica": 0.0}
     n = len(nodes)
     mesh = _predict_plan(build_plan(entries, n, max_round_bytes=impl.max_round_bytes), hw, impl, ns_steps,
-                         itemsize, nodes)[0]  # fmt: skip
+                         itemsize, nodes, check_ranks=n)[0]  # fmt: skip
     by_layout: dict[tuple[int, ...] | None, list[MatrixEntry]] = {}
     for e in entries:
         by_layout.setdefault(e.replica_of, []).append(e)
     replica = 0.0
     for replica_of, alike in by_layout.items():
         assert replica_of is not None, "every entry compared has replicas"
-        slowest = 0.0
-        for c in sorted(set(replica_of)):
-            ranks = [r for r in range(n) if replica_of[r] == c]
-            sub = [MatrixEntry(e.shape, tuple(e.blocks[r] for r in ranks)) for e in alike]
-            plan = build_plan(sub, len(ranks), max_round_bytes=impl.max_round_bytes)
-            seconds = _predict_plan(plan, hw, impl, ns_steps, itemsize, [nodes[r] for r in ranks])[0]
-            slowest = max(slowest, seconds)
-        replica += slowest
+        replica += _slowest_replica(alike, replica_of, nodes, hw, impl, ns_steps, itemsize)
     return {"mesh": mesh, "replica": replica}
+
+
+def _slowest_replica(
+    alike: Sequence[MatrixEntry],
+    replica_of: tuple[int, ...],
+    nodes: Sequence[int],
+    hw: Hardware,
+    impl: Implementation,
+    ns_steps: int,
+    itemsize: int,
+) -> float:
+    """The slowest replica's step for matrices laid out alike, each replica its own exchange group;
+    replicas of equal blocks on alike nodes are priced once (blocks shared per content)."""
+    n, priced = len(nodes), {}
+    shared: dict[tuple[Block, ...], tuple[Block, ...]] = {}
+    layouts = {id(e.blocks): e.blocks for e in alike}  # matrices laid out alike share a tuple
+    for c in sorted(set(replica_of)):
+        ranks = [r for r in range(n) if replica_of[r] == c]
+        cut = {k: tuple(b[r] for r in ranks) for k, b in layouts.items()}
+        sub_of = {k: shared.setdefault(t, t) for k, t in cut.items()}
+        sub = [MatrixEntry(e.shape, sub_of[id(e.blocks)]) for e in alike]
+        key = (tuple(id(e.blocks) for e in sub), node_pattern([nodes[r] for r in ranks]))
+        if key not in priced:
+            plan = build_plan(sub, len(ranks), max_round_bytes=impl.max_round_bytes)
+            here = [nodes[r] for r in ranks]
+            priced[key] = _predict_plan(plan, hw, impl, ns_steps, itemsize, here, check_ranks=n)[0]
+    return max(priced.values())

@@ -25,10 +25,12 @@ What each event costs, read from the code (``functional.py``, ``elementwise.py``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..sharding.plan.blocks import block_numel, block_shape
 from ..sharding.plan.build import Plan
+from ..sharding.plan.memory import bucket_sizes
 from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
 from ..sharding.plan.runs import segments
 
@@ -58,6 +60,10 @@ class StepShape:
     weight_decay: bool = True
     momentum_ops: int = MOMENTUM_BUCKET  # per bucket (a fused kernel would be 1)
     update_ops: int = UPDATE_BUCKET
+    # CPU: elementwise.CPU_PIECE_ELEMENTS. Buckets are then counted as elementwise.buckets makes
+    # them, and a tensor above it is cut into pieces of it: a view and a slice per piece and list
+    cpu_piece: int | None = None
+    newton_schulz: bool = True  # False: an orthogonalize_fn that issues no op (plan --rehearse --skip-ns)
 
 
 def _ns_call(ns_steps: int) -> int:
@@ -99,7 +105,7 @@ def _inbound(plan: Plan, rank: int, route: Inbound, batched: bool, ns_steps: int
         ops += _pack([block_shape(plan.entries[m].blocks[rank])[1] for m in sent]) + 1  # and receive
         ops += 2 * len(route.stacks) + len(route.parts) + len(route.copies)
         ops += _own_in(route.own_batches) + 3 * len(route.runs) + 6 * len(route.loose)
-    for _, members in route.stacks:
+    for _, members in route.stacks if ns_steps >= 0 else ():
         ops += 2 + _ns_call(ns_steps) if batched and len(members) > 1 else len(members) * _ns_call(ns_steps)
     return ops
 
@@ -120,24 +126,62 @@ def _stacked(route: Inbound, batched: bool) -> set[int]:
 
 def _round_buckets(plan: Plan, rank: int, members: tuple[int, ...], shape: StepShape) -> int:
     """The update's buckets in one round: over this rank's pieces of the round's results only."""
+    numels = [block_numel(plan.entries[m].blocks[rank]) for m in members]
+    if shape.cpu_piece is not None:
+        return max(1, len(bucket_sizes(numels, cpu=True, cpu_piece=shape.cpu_piece)))
     if shape.bucket_elements is None:
         return 1
-    elements = sum(block_numel(plan.entries[m].blocks[rank]) for m in members)
-    return max(1, -(-elements // shape.bucket_elements))
+    return max(1, -(-sum(numels) // shape.bucket_elements))
+
+
+def _cuts(numels: list[int], piece: int | None, lists: int) -> int:
+    """``elementwise.buckets`` on CPU: a view and a slice per piece of each tensor above ``piece``
+    elements, in each of ``lists`` aligned lists (the momentum's 3, the update's 2)."""
+    if piece is None:
+        return 0
+    return 2 * lists * sum(-(-n // piece) for n in numels if n > piece)
+
+
+def _bucket_allocs(shapes: list[tuple[int, ...]], piece: int) -> int:
+    """``elementwise.apply_results`` on CPU: its scaled temporaries allocated per bucket, over the
+    bucket's pieces (a cut piece is flat), where one bucket per round allocates them once."""
+    bucket: list[tuple[int, ...]] = []
+    allocs = size = 0
+    for s in shapes:
+        n = math.prod(s)
+        for part in [(min(piece, n - a),) for a in range(0, n, piece)] if n > piece else [s]:
+            if size and size + math.prod(part) > piece:
+                allocs, bucket, size = allocs + _allocs(bucket), [], 0
+            bucket.append(part)
+            size += math.prod(part)
+    return allocs + (_allocs(bucket) if bucket else 0)
+
+
+def _momentum(numels: list[int], shape: StepShape) -> int:
+    """The momentum's ops (``elementwise.nesterov_inputs``): per bucket, and the CPU's cuts."""
+    ops = shape.momentum_ops - (0 if shape.nesterov else 2)
+    if shape.cpu_piece is None:
+        return shape.muon_buckets * ops
+    return len(bucket_sizes(numels, cpu=True, cpu_piece=shape.cpu_piece)) * ops + _cuts(
+        numels, shape.cpu_piece, 3
+    )
 
 
 def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dict[str, int]:
     """Top-level ops of one step on group rank ``rank`` of ``plan``, by phase."""
     routes = build_routes(plan, rank)
-    momentum = shape.momentum_ops - (0 if shape.nesterov else 2)
     update = shape.update_ops - (0 if shape.weight_decay else 1)
     # whole-matrix parameters: a piece is the local tensor itself (no cut), its result its update
     local = [block_shape(e.blocks[rank]) for e in plan.entries]
-    pre = (_allocs(local) if shape.muon_params else 0) + shape.muon_buckets * momentum
-    mid = sum(_inbound(plan, rank, r.inbound, shape.batched, shape.ns_steps) for r in routes)
+    numels = [block_numel(e.blocks[rank]) for e in plan.entries]
+    pre = (_allocs(local) if shape.muon_params else 0) + _momentum(numels, shape)
+    ns_steps = shape.ns_steps if shape.newton_schulz else -1  # -1: no Newton-Schulz op counted
+    mid = sum(_inbound(plan, rank, r.inbound, shape.batched, ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
-    results = [_allocs([block_shape(plan.entries[m].blocks[rank]) for m in r.members]) for r in routes]
+    shapes = [[block_shape(plan.entries[m].blocks[rank]) for m in r.members] for r in routes]
+    results = [_allocs(s) if shape.cpu_piece is None else _bucket_allocs(s, shape.cpu_piece) for s in shapes]
     post = sum(results) + sum(_round_buckets(plan, rank, r.members, shape) * update for r in routes)
+    post += sum(_cuts([numels[m] for m in r.members], shape.cpu_piece, 2) for r in routes)
     post += len(routes) * METRICS_ROUND
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)

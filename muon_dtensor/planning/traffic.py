@@ -17,12 +17,15 @@ replica send 2 M (S - 1) / S^2 within and nothing across (``mean_traffic``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..sharding.plan.blocks import block_numel
-from ..sharding.plan.build import EVERYONE, MatrixEntry, Plan
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES, EVERYONE, MatrixEntry, Plan
+from .plans import hsdp_plan, sharded_plan
+from .shapes import Shape
 
-__all__ = ["Traffic", "mean_traffic", "traffic"]
+__all__ = ["Traffic", "mean_traffic", "rank_traffic", "traffic"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,21 @@ def mean_traffic(total_bytes: float, replicas: int, shards: int, owners: str) ->
         return 2 * m * (s - 1) / s**2, 0.0
     n = r * s
     return m / n * 2 * (s - 1) / s, m * (r - 1) / n
+
+
+def rank_traffic(
+    shapes: Sequence[Shape],
+    shards: int,
+    rank: int,
+    *,
+    replicas: int = 1,
+    owners: str = "replica",
+    itemsize: int = 2,
+    max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
+) -> Traffic:
+    """Bytes mesh rank ``rank`` sends and receives in one step of the plan ``costmodel.predict``
+    prices (``Shard(0)`` over ``shards`` ranks, ``replicas`` replicas, owners ``"mesh"`` or per
+    ``"replica"``): what ``plan --rehearse`` measures on that rank."""
+    if replicas > 1 and owners == "mesh":
+        return traffic(hsdp_plan(shapes, shards, replicas, max_round_bytes=max_round_bytes), rank, itemsize)
+    return traffic(sharded_plan(shapes, shards, max_round_bytes=max_round_bytes), rank % shards, itemsize)

@@ -17,9 +17,10 @@ minutes for a 28,672 x 8,192 matrix). Only the Muon matrices are built (AdamW's 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from ..planning.hardware import Hardware
 from ..planning.host_ops import StepShape, step_ops
 from ..planning.inputs import format_bytes
 from ..planning.plans import rank_memory
+from ..planning.traffic import rank_traffic
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
 from .configs import meta_model
@@ -79,6 +81,8 @@ class Rehearsal:
     modelled_memory: tuple[int, int] | None = None  # momentum and peak, planning.plans.rank_memory
     memory_bound: int = 0  # memory_bound(shard elements): the bytes the refusal above max_bytes reads
     shapes: tuple[tuple[int, int], ...] = ()  # the matrices, as the cost model takes them
+    owners: list[str] = field(default_factory=list)  # HSDP: the owners chosen per mesh, and why
+    modelled_bytes: tuple[int, int] = (0, 0)  # this rank's sent and received in the model's plan
 
 
 def _skip(matrices: Sequence[Tensor], config: Any) -> list[Tensor]:
@@ -209,7 +213,7 @@ def _top_level(event: Any) -> bool:
     return True
 
 
-def _predicted_ops(opt: Muon) -> int:
+def _predicted_ops(opt: Muon, skip_ns: bool = False) -> int:
     """``host_ops.step_ops`` of this rank's plans (the cost model's host term, with the CPU's
     elementwise pieces and one Newton-Schulz call per matrix)."""
     total = 0
@@ -224,6 +228,8 @@ def _predicted_ops(opt: Muon) -> int:
                     muon_buckets=max(1, -(-local // CURRENT_CPU.bucket_elements)),
                     bucket_elements=CURRENT_CPU.bucket_elements,
                     batched=CURRENT_CPU.batched_ns,
+                    cpu_piece=CURRENT_CPU.bucket_elements,  # the CPU's pieces, as this step runs
+                    newton_schulz=not skip_ns,
                 )
                 total += sum(step_ops(d.plan, rank, shape).values())
     return total
@@ -262,6 +268,9 @@ def rehearse(
         raise ValueError("a process group exists already: rehearse in a process of its own")
     say = progress or (lambda line: None)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
+    # the job's nodes as torchrun names them, so owners="auto" prices the nodes the model does
+    node_env = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str((hw or Hardware.h200()).gpus_per_node)
     try:
         before = _pg_count()
         layouts = _layouts(meta_model(config), _meshes(gpus, hsdp, tp, ep), head_dim)
@@ -281,27 +290,44 @@ def rehearse(
             groups, lr=0.02, owners=owners, max_round_bytes=max_round_bytes,  # type: ignore[arg-type]
             orthogonalize_fn=ns, **dict(muon_options or {}),
         )  # fmt: skip
-        setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say)
+        setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say, skip_ns)
         metrics = opt.metrics()
         shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
         shard = gpus // hsdp
+        prediction = modelled_step(
+            shapes, gpus, hsdp=hsdp, hw=hw, owners=owners, max_round_bytes=max_round_bytes
+        )
         return Rehearsal(
             matrices=len(shapes),
             local_elements=sum(p.to_local().numel() for g in opt.param_groups for p in g["params"]),
             setup_s=setup, steady_s=steady, host_ops=ops, collectives=collectives,
             sent=int(metrics["muon/bytes_sent"]), received=int(metrics["muon/bytes_received"]),
             groups_mesh=after_mesh - before, groups_optimizer=_pg_count() - after_mesh, owned=owned,
-            memory=opt.memory(), predicted_ops=predicted,
-            prediction=modelled_step(shapes, gpus, hsdp=hsdp, hw=hw, owners=owners, max_round_bytes=max_round_bytes),
-            skipped_ns=skip_ns,
+            memory=opt.memory(), predicted_ops=predicted, prediction=prediction, skipped_ns=skip_ns,
             modelled_memory=None if ep else _modelled_memory(shapes, shard // tp, hsdp, tp, rank, max_round_bytes),
             memory_bound=bound, shapes=tuple(shapes),
+            modelled_bytes=_rank_bytes(shapes, shard, rank, hsdp, prediction.owners, max_round_bytes),
+            owners=[c.describe() for e in opt._plans.entries.values() for c in e.sharding.owner_choices],
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+        if node_env is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = node_env
 
 
-def _steps(opt: Muon, steps: int, say: Progress) -> tuple[float, int, float, int, int, list[tuple[str, int]]]:
+def _rank_bytes(
+    shapes: list[tuple[int, int]], shard: int, rank: int, hsdp: int, owners: str, limit: int | None
+) -> tuple[int, int]:
+    """This rank's bytes sent and received in the plan the cost model prices (``traffic.rank_traffic``)."""
+    t = rank_traffic(shapes, shard, rank, replicas=hsdp, owners=owners, max_round_bytes=limit)
+    return t.sent, t.received
+
+
+def _steps(
+    opt: Muon, steps: int, say: Progress, skip_ns: bool
+) -> tuple[float, int, float, int, int, list[tuple[str, int]]]:
     """The first step's CPU time and matrices orthogonalized, a steady step's CPU time, the modelled
     host ops, and the profiled step's host ops and collectives (-1 and none above ``MAX_PROFILED_OPS``)."""
     say("first step (set-up and step)")
@@ -314,7 +340,7 @@ def _steps(opt: Muon, steps: int, say: Progress) -> tuple[float, int, float, int
     for _ in range(steps):
         opt.step()
     steady = (time.process_time() - start) / steps
-    predicted = _predicted_ops(opt)
+    predicted = _predicted_ops(opt, skip_ns)
     say(f"steady step: {steady * 1e3:,.1f} ms of CPU; {predicted:,} modelled host ops")
     ops, collectives = _profiled_step(opt) if predicted <= MAX_PROFILED_OPS else (-1, [])
     return setup, owned, steady, predicted, ops, collectives

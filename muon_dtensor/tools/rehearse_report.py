@@ -182,11 +182,13 @@ def report(args: Any, r: Rehearsal, why: str = "", moe: MoEModel | None = None) 
             f"| host ops (top-level aten) | {_counted(r.host_ops)} | {r.predicted_ops:,} (host_ops.step_ops) |",
             f"| collectives | {_counted(len(r.collectives) if r.host_ops >= 0 else -1)} | {p.collectives} |",
             f"| bytes sent / received to other ranks | {format_bytes(r.sent)} / {format_bytes(r.received)} "
-            f"| {format_bytes(int(p.bytes_sent_mean))} sent (mean), {format_bytes(int(p.bytes_sent_max))} (max) |",
+            f"| {format_bytes(r.modelled_bytes[0])} / {format_bytes(r.modelled_bytes[1])} (this rank); "
+            f"{format_bytes(int(p.bytes_sent_mean))} sent (mean), {format_bytes(int(p.bytes_sent_max))} (max) |",
             f"| momentum / peak transient (Muon.memory) | {format_bytes(mem.get('momentum', 0))} / "
             f"{format_bytes(mem['peak_transient'])} | {_memory_model(r)} |",
             "",
             f"collectives of a steady step (buffer bytes): {listed or 'none'}",
             f"process groups created: {r.groups_mesh} by the meshes, {r.groups_optimizer} by the optimizer",
+            *(f"owners: {line}; the cost model's: {p.owners}" for line in r.owners),
         ]
     )

@@ -191,3 +191,44 @@ def test_predictions_are_cached_and_equal_the_arithmetic() -> None:
 
     hw = Unhashable(**vars(Hardware.h200()))
     assert predict(shapes, 16, hw, split=True) == first
+
+
+@pytest.mark.parametrize(("shards", "replicas", "per_node"), [(8, 8, 8), (16, 4, 8), (4, 2, 2)])
+def test_the_optimizers_owner_prices_are_the_models(shards: int, replicas: int, per_node: int) -> None:
+    """``compare_owners`` (what ``Muon(owners="auto")`` votes with) prices HSDP's two owner choices
+    exactly as ``predict`` does for FSDP2's layout, the check summed over every rank of the mesh:
+    the run and the rehearsal's model then take the same owners (it took mesh against the model's
+    replica when the check was priced over the replica alone and the node sizes differed)."""
+    from muon_dtensor.planning.costmodel import compare_owners, hsdp_plan
+
+    hw = Hardware.h200(gpus_per_node=per_node, check_backend="gloo")
+    shapes = LLAMA3_8B[:28]
+    entries = hsdp_plan(shapes, shards, replicas).entries
+    times = compare_owners(entries, [r // per_node for r in range(shards * replicas)], hw)
+    for owners in ("mesh", "replica"):
+        assert times[owners] == predict(shapes, shards, hw, replicas=replicas, owners=owners).total
+    chosen = min(times, key=lambda o: (times[o], o == "mesh"))
+    assert predict(shapes, shards, hw, replicas=replicas, owners="auto").owners == chosen
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_links_of_each_round_add_up_to_traffic_per_rank(replicas: int) -> None:
+    """The links of both all-to-alls, summed per layout and replica (not per matrix, which made an
+    8,192-rank HSDP price take seconds), send and receive on each rank what ``traffic`` counts."""
+    from muon_dtensor.planning.costmodel import hsdp_plan
+    from muon_dtensor.planning.links import back_links, to_owner_links
+    from muon_dtensor.planning.traffic import traffic
+
+    plan = hsdp_plan(LLAMA3_8B[:70], 8, replicas, max_round_bytes=1 << 24)
+    nodes = [r // 4 for r in range(plan.group_size)]
+    sent, received = [0.0] * plan.group_size, [0.0] * plan.group_size
+    for rnd in plan.rounds:
+        for links in (to_owner_links(plan, rnd.members, rnd.owners, 2, nodes),
+                      back_links(plan, rnd.members, rnd.owners, 2, nodes)):  # fmt: skip
+            for r in range(plan.group_size):
+                sent[r] += links.sent(r)
+                received[r] += links.recv_intra[r] + links.recv_inter[r]
+    assert len(plan.rounds) > 1
+    for r in range(plan.group_size):
+        counted = traffic(plan, r, 2)
+        assert (sent[r], received[r]) == (counted.sent, counted.received), r

@@ -14,12 +14,11 @@ default is ``DEFAULT_ROUND_BYTES``; ``None`` makes the step one round.
 
 from __future__ import annotations
 
-import functools
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from ...numerics.newton_schulz import ns_flops
 from .blocks import Block, block_numel
@@ -60,9 +59,28 @@ EVERYONE = -1
 DEFAULT_ROUND_BYTES = 4 << 20
 
 
-@functools.lru_cache(maxsize=4096)  # a model's matrices share a few layouts: hashing is O(ranks) in C
+# (function, id of blocks, id of replica_of, the other arguments) -> (the tuples, kept alive so the
+# ids stay theirs; the answer): a model's matrices share a few layouts, one blocks tuple each, and
+# hashing a blocks tuple of 8,192 ranks per matrix made an 8,192-rank plan take a second
+_BY_ID: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+
+
+def _by_identity(
+    fn: Callable[..., tuple[int, ...]], blocks: tuple[Block, ...], replica_of: Any, *rest: Any
+) -> tuple[int, ...]:
+    key = (fn, id(blocks), id(replica_of), *rest)
+    hit = _BY_ID.get(key)
+    if hit is not None and hit[0][0] is blocks and hit[0][1] is replica_of:
+        return hit[1]
+    value = fn(blocks, replica_of, *rest)
+    if len(_BY_ID) >= 4096:
+        _BY_ID.clear()
+    _BY_ID[key] = ((blocks, replica_of), value)
+    return value
+
+
 def _holders(
-    shape: tuple[int, int], blocks: tuple[Block, ...], replicated: bool, replica_of: tuple[int, ...] | None
+    blocks: tuple[Block, ...], replica_of: tuple[int, ...] | None, shape: tuple[int, int], replicated: bool
 ) -> tuple[int, ...]:
     numel = shape[0] * shape[1]
     full = tuple(r for r, b in enumerate(blocks) if block_numel(b) == numel)
@@ -76,8 +94,7 @@ def _holders(
     return full
 
 
-@functools.lru_cache(maxsize=4096)
-def _sharers(blocks: tuple[Block, ...], replicated: bool) -> tuple[int, ...]:
+def _sharers(blocks: tuple[Block, ...], replica_of: object, replicated: bool) -> tuple[int, ...]:
     ranks = tuple(r for r, b in enumerate(blocks) if block_numel(b))
     return () if replicated or 2 * len(ranks) > len(blocks) else ranks
 
@@ -104,14 +121,14 @@ class MatrixEntry:
     def holders(self) -> tuple[int, ...]:
         """The ranks that hold this matrix whole, one per replica, while the others hold nothing
         (an expert of an expert-parallel stack), or (). Its owner is one of them."""
-        return _holders(self.shape, self.blocks, self.replicated, self.replica_of)
+        return _by_identity(_holders, self.blocks, self.replica_of, self.shape, self.replicated)
 
     @cached_property
     def sharers(self) -> tuple[int, ...]:
         """The ranks that hold pieces of this matrix when they are at most half the group (an expert
         of an (ep, fsdp) stack, on its fsdp ranks), or (). Its owner is one of them: it then reads
         the others' pieces only, not every byte of the matrix from elsewhere."""
-        return _sharers(self.blocks, self.replicated)
+        return _by_identity(_sharers, self.blocks, None, self.replicated)
 
     @property
     def holder(self) -> int | None:
