@@ -136,13 +136,17 @@ def _reduce_on_host(
     group has a CPU backend, else through the device. A copy either way: callers reduce the same
     values over several scopes."""
     target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
-    if target == "cpu":  # a ring over thousands of ranks: axis by axis over a grid instead
-        groups = [sub for g in groups for sub in check_groups(g)]
     out = values.detach()
     out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
-        wait_released(dist.all_reduce(out, op=op, group=group, async_op=True), out.device)
-        if op == dist.ReduceOp.SUM and simulated(group):  # every rank of it as this one (MAX is already)
+        # a ring over thousands of ranks: a butterfly of two-rank sums instead (``check_groups``)
+        steps = check_groups(group) if target == "cpu" else [(group, False)]
+        fake = simulated(group)
+        for step, adds_nothing in steps:
+            if adds_nothing and op == dist.ReduceOp.SUM and not fake:  # a folded rank takes the total
+                out.zero_()
+            wait_released(dist.all_reduce(out, op=op, group=step, async_op=True), out.device)
+        if op == dist.ReduceOp.SUM and fake:  # every rank of it as this one (MAX is already)
             out.mul_(dist.get_world_size(group))
     return out if out.device.type == "cpu" else out.cpu()
 
