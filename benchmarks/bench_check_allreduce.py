@@ -6,8 +6,8 @@
   runs a reduce-scatter then an allgather around the ring: 4 (P - 1) sequential hops.
 - ``grid``: the check before the butterfly, axis by axis over a grid of sides of at most
   ``--grid-side`` ranks (4 here, 64 in the library then): 4 sum(side - 1) hops.
-- ``butterfly``: the check now above ``GRID_ABOVE`` (forced here): log2 P two-rank sums, 4 log2 P hops
-  (``sharding/plan/grid.py``), through the library's own ``comm.sum_over_group``.
+- ``butterfly``: the check now above ``GRID_ABOVE`` (forced here): log2 P two-rank all-gathers, one
+  hop each (``sharding/plan/grid.py``), through the library's own ``comm.sum_over_group``.
 
 Protocol (fixed before the results were seen): per rank count one set of fresh processes; after a
 warmup, ``--repeats`` blocks, each running ``--iters`` back-to-back sums of every method in turn, so
@@ -136,7 +136,7 @@ def measure(world: int, args: Any) -> list[dict[str, Any]]:
     hops = {"ring": 4 * (world - 1), "grid": sum(4 * (s - 1) for s in sides), "butterfly": 0}
     from muon_dtensor.sharding.plan import grid
 
-    hops["butterfly"] = grid.ring_hops(world, above=1) if world > 2 else 4
+    hops["butterfly"] = grid.ring_hops(world, above=1)
     return [
         {
             "ranks": world,

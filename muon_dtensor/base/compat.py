@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["StridedShard", "_StridedShard", "flatten_state_dict", "has_cpu_backend", "local_tensor"]
+__all__ = [
+    "StridedShard",
+    "_StridedShard",
+    "all_gather_single",
+    "flatten_state_dict",
+    "has_cpu_backend",
+    "local_tensor",
+]
 
 
 def _find(name: str, modules: tuple[str, ...]) -> Any:
@@ -70,3 +77,11 @@ def local_tensor(t: Any) -> torch.Tensor:
     dominated the preflight. Same storage either way; the step runs under ``no_grad``."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Every rank's ``input`` into one tensor: ``dist.all_gather_single`` where torch has it (2.13,
+    which deprecates the older name), else ``dist.all_gather_into_tensor``."""
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -128,7 +128,7 @@ GLOO_HOP_SECONDS = 20e-6
 def check_seconds(hw: Hardware, ranks: int) -> float:
     """The step's check, a small sum over ``ranks`` ranks: on gloo ``grid.ring_hops`` hops of
     ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a butterfly of
-    two-rank sums, 4 log2 P hops: 52 or 1.0 ms at 8,192 ranks where one ring would be 0.66 s); on
+    two-rank all-gathers, log2 P hops: 13 or 0.26 ms at 8,192 ranks where one ring would be 0.66 s); on
     NCCL one ``collective_latency`` (an assumption, not measured here)."""
     if ranks <= 1:
         return 0.0
@@ -138,7 +138,8 @@ def check_seconds(hw: Hardware, ranks: int) -> float:
 
 
 def check_collectives(hw: Hardware, ranks: int) -> int:
-    """All-reduces of the step's check: one, or on gloo one per step of the butterfly (``grid.py``)."""
+    """Collectives of the step's check: one all-reduce, or on gloo one all-gather per step of the
+    butterfly (``grid.py``)."""
     return max(1, len(butterfly_steps(ranks, 0))) if hw.check_backend == "gloo" else 1
 
 

@@ -2,7 +2,8 @@
 twice around a ring of P ranks (``gloo/allreduce.cc``), 4 (P - 1) sequential hops, so the step's check
 over 8,192 ranks would take 32,764 hops. Above ``GRID_ABOVE`` ranks it runs as a butterfly
 (recursive doubling) of two-rank sums instead: in step k a rank sums with the rank whose index differs
-in bit k, so after log2 P steps every rank holds the sum of every row, 4 log2 P hops (52 at 8,192
+in bit k, so after log2 P steps every rank holds the sum of every row. Each step is an all-gather of
+the two rows (one message each way, one hop; ``runtime.comm``), log2 P hops in all (13 at 8,192
 ranks). A rank count that is not a power of two folds its last ``P - 2**k`` ranks into the first ones
 before and hands them the total after: two steps more. Every rank ends with the same integers, and
 with the same bits for floats too (each step adds the same two values, in either order).
@@ -22,7 +23,7 @@ Step = tuple[tuple[int, int], bool]
 def butterfly_steps(size: int, index: int, above: int | None = None) -> list[Step]:
     """The steps of index ``index`` in a sum over ``size`` ranks; [] for one all-reduce (``size`` at
     most ``above``, ``GRID_ABOVE``)."""
-    if size <= (GRID_ABOVE if above is None else above) or size <= 2:
+    if size <= (GRID_ABOVE if above is None else above) or size < 2:
         return []
     base = 1 << (size.bit_length() - 1)  # the largest power of two up to size
     if index >= base:  # folded: its row goes to index - base, the total comes back from it
@@ -38,7 +39,7 @@ def butterfly_steps(size: int, index: int, above: int | None = None) -> list[Ste
 
 
 def ring_hops(size: int, above: int | None = None) -> int:
-    """Sequential hops of a small sum over ``size`` ranks on gloo's ring: 4 (P - 1) for one all-reduce,
-    4 per step of the butterfly where one is used (the busiest rank's, index 0)."""
+    """Sequential hops of a small sum over ``size`` ranks on gloo: 4 (P - 1) for one ring all-reduce,
+    one per step of the butterfly (a two-rank all-gather) where one is used (index 0's, the most)."""
     steps = butterfly_steps(size, 0, above)
-    return 4 * len(steps) if steps else 4 * (size - 1)
+    return len(steps) if steps else 4 * (size - 1)
