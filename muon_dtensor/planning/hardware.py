@@ -128,7 +128,8 @@ GLOO_HOP_SECONDS = 20e-6
 def check_seconds(hw: Hardware, ranks: int) -> float:
     """The step's check, a small sum over ``ranks`` ranks: on gloo ``grid.ring_hops`` hops of
     ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a butterfly of
-    two-rank all-gathers, log2 P hops: 13 or 0.26 ms at 8,192 ranks where one ring would be 0.66 s); on
+    two-rank all-gathers, log2 P steps priced as 4 hops each: 52 hops or 1.04 ms at 8,192 ranks where
+    one ring would be 0.66 s); on
     NCCL one ``collective_latency`` (an assumption, not measured here)."""
     if ranks <= 1:
         return 0.0

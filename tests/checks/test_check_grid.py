@@ -1,7 +1,7 @@
 """The check's sum over many ranks runs as a butterfly of two-rank sums (``sharding/plan/grid.py``,
 ``runtime.groups.check_groups``): gloo's ring all-reduce takes 4 (P - 1) hops, so at 8,192 ranks one
 sum is 32,764 hops (0.66 s at 20 us a hop, ``benchmarks/results/check_allreduce.json``), the
-butterfly's 13 (one two-rank all-gather per step). The butterfly is forced on 3 and 4 gloo ranks here: the step is bitwise the flat
+butterfly's 13 steps (a two-rank all-gather each, priced as 4 hops: 52). The butterfly is forced on 3 and 4 gloo ranks here: the step is bitwise the flat
 one's, and a rank that differs still raises on every rank.
 
 Regression (issue 49): the grid before it created its lines with
@@ -38,8 +38,8 @@ def test_butterfly_steps() -> None:
     assert grid.butterfly_steps(256, 0) == []  # one all-reduce up to GRID_ABOVE
     assert len(grid.butterfly_steps(8192, 0)) == 13 and len(grid.butterfly_steps(1024, 5)) == 10
     assert grid.butterfly_steps(8192, 5)[0] == ((4, 5), False)  # bit 0 first
-    assert grid.ring_hops(8192) == 13 and grid.ring_hops(1024) == 10 and grid.ring_hops(256) == 4 * 255
-    assert grid.ring_hops(8191) == 12 + 2  # not a power of two: folded in and out, no ring
+    assert grid.ring_hops(8192) == 4 * 13 and grid.ring_hops(1024) == 40 and grid.ring_hops(256) == 4 * 255
+    assert grid.ring_hops(8191) == 4 * (12 + 2)  # not a power of two: folded in and out, no ring
     assert grid.butterfly_steps(1000, 999) == [((487, 999), False), ((487, 999), True)]  # folded
     assert grid.butterfly_steps(1000, 487)[0] == grid.butterfly_steps(1000, 487)[-1] == ((487, 999), False)
 
@@ -71,7 +71,7 @@ def test_butterfly_gives_every_rank_the_total(op: Any) -> None:
 
 def test_check_priced_per_backend() -> None:
     gloo, nccl = Hardware.h200(check_backend="gloo"), Hardware.h200()
-    assert check_seconds(gloo, 8192) == pytest.approx(13 * GLOO_HOP_SECONDS)
+    assert check_seconds(gloo, 8192) == pytest.approx(52 * GLOO_HOP_SECONDS)
     assert check_seconds(gloo, 256) == pytest.approx(4 * 255 * GLOO_HOP_SECONDS)  # linear up to the butterfly
     assert check_seconds(nccl, 8192) == nccl.collective_latency
     assert check_collectives(gloo, 8192) == 13 and check_collectives(nccl, 8192) == 1

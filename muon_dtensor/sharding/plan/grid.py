@@ -3,8 +3,8 @@ twice around a ring of P ranks (``gloo/allreduce.cc``), 4 (P - 1) sequential hop
 over 8,192 ranks would take 32,764 hops. Above ``GRID_ABOVE`` ranks it runs as a butterfly
 (recursive doubling) of two-rank sums instead: in step k a rank sums with the rank whose index differs
 in bit k, so after log2 P steps every rank holds the sum of every row. Each step is an all-gather of
-the two rows (one message each way, one hop; ``runtime.comm``), log2 P hops in all (13 at 8,192
-ranks). A rank count that is not a power of two folds its last ``P - 2**k`` ranks into the first ones
+the two rows (one message each way; ``runtime.comm``), 13 steps at 8,192 ranks, each priced as a
+two-rank all-reduce (``ring_hops``). A rank count that is not a power of two folds its last ``P - 2**k`` ranks into the first ones
 before and hands them the total after: two steps more. Every rank ends with the same integers, and
 with the same bits for floats too (each step adds the same two values, in either order).
 Pure: ``runtime.groups.check_groups`` creates the groups, ``planning`` prices the hops."""
@@ -40,6 +40,8 @@ def butterfly_steps(size: int, index: int, above: int | None = None) -> list[Ste
 
 def ring_hops(size: int, above: int | None = None) -> int:
     """Sequential hops of a small sum over ``size`` ranks on gloo: 4 (P - 1) for one ring all-reduce,
-    one per step of the butterfly (a two-rank all-gather) where one is used (index 0's, the most)."""
+    and where the butterfly is used 4 per step (index 0's steps, the most): a step's all-gather sends
+    one message each way, but measured on loopback it took what gloo's two-rank all-reduce (4 hops)
+    takes (``benchmarks/results/check_butterfly.json``), so it is priced as one."""
     steps = butterfly_steps(size, 0, above)
-    return len(steps) if steps else 4 * (size - 1)
+    return 4 * len(steps) if steps else 4 * (size - 1)

@@ -83,7 +83,7 @@ def check_groups(group: dist.ProcessGroup) -> list[tuple[dist.ProcessGroup, bool
     """The steps a small host reduction over ``group`` runs through, in order, each a group and
     whether this rank adds nothing to it (``grid.Step``): ``group`` itself, or above
     ``grid.GRID_ABOVE`` ranks the two-rank groups of a butterfly over its ranks (``grid.py``), so the
-    check's sum takes log2 P hops (two-rank all-gathers), not gloo's ring's 4 (P - 1). Each pair is
+    check's sum takes log2 P two-rank all-gathers, not gloo's ring of 4 (P - 1) hops. Each pair is
     created on first use by its two ranks alone, named from its members (``_named``): call this on
     every rank of ``group`` at the same point, as the check's sum is."""
     size = dist.get_world_size(group)
