@@ -39,7 +39,6 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -53,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import results_config, system_info, wait_for_quiet  # noqa: E402
+from benchmarks.host_stats import format_depth, format_timed, per_layer, rotated, summarize  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV  # noqa: E402
 
 WIDTH, KV, FFN, VOCAB = 16, 8, 48, 64
@@ -91,6 +91,18 @@ class SquareLayer(nn.Module):  # four 16 x 16 matrices, for the many-matrices ca
         self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
 
 
+class DefaultLayer(nn.Module):
+    """``bench_step.py``'s default set at ``width``: q, k, v, o (w x w), MLP up (4w x w), down (w x 4w)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False)
+
+
+LAYERS = {"llama": LlamaLayer, "default": DefaultLayer}
+
+
 class Model(nn.Module):
     def __init__(self, layers: list[nn.Module], width: int = WIDTH) -> None:
         super().__init__()
@@ -101,14 +113,14 @@ class Model(nn.Module):
 
 
 def sharded_model(layers: int, kind: str = "llama", width: int = WIDTH) -> nn.Module:
-    """Inside a rank: a seeded model (Llama layers at ``width``), ``fully_shard`` per layer and on
+    """Inside a rank: a seeded model (``kind``'s layers at ``width``), ``fully_shard`` per layer and on
     the root, seeded gradients laid out as FSDP2 lays them out (``fsdp_grad``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Model([LlamaLayer(width) if kind == "llama" else SquareLayer() for _ in range(layers)], width)
+    model = Model([LAYERS[kind](width) if kind in LAYERS else SquareLayer() for _ in range(layers)], width)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -197,18 +209,22 @@ def warm_up(opts: dict[str, torch.optim.Optimizer], warmup: int) -> dict[str, fl
     return first
 
 
-def timed_steps(opts: dict[str, torch.optim.Optimizer], steps: int) -> dict[str, list[float]]:
-    """Rounds of one barrier-started step per contender, so load changes touch them alike."""
+def timed_steps(opts: dict[str, torch.optim.Optimizer], steps: int) -> dict[str, dict[str, list[float]]]:
+    """Rounds of one barrier-started step per contender, the order rotated each round
+    (``host_stats.rotated``), so load changes touch them alike: per contender, each step's wall
+    seconds and its main thread's CPU seconds (``time.thread_time``)."""
     import torch.distributed as dist
 
-    times: dict[str, list[float]] = {label: [] for label in CONTENDERS}
-    for _ in range(steps):
-        for label, (kind, path) in CONTENDERS.items():
+    times: dict[str, dict[str, list[float]]] = {label: {"wall": [], "cpu": []} for label in CONTENDERS}
+    for r in range(steps):
+        for label in rotated(list(CONTENDERS), r):
+            kind, path = CONTENDERS[label]
             with ns_batch(path):
                 dist.barrier()
-                start = time.perf_counter()
+                cpu, start = time.thread_time(), time.perf_counter()
                 opts[kind].step()
-                times[label].append(time.perf_counter() - start)
+                times[label]["wall"].append(time.perf_counter() - start)
+                times[label]["cpu"].append(time.thread_time() - cpu)
     return times
 
 
@@ -232,19 +248,22 @@ def rank_counts(
 
 
 def rank_measure(
-    layers: list[int], kind: str, steps: int, warmup: int, count: bool = True
+    layers: list[int], kind: str, steps: int, warmup: int, count: bool = True, width: int = WIDTH
 ) -> dict[int, dict[str, Any]]:
-    """Inside a rank: every contender's first-step seconds, counts (if ``count``) and step times at
-    each depth."""
+    """Inside a rank: every contender's first-step seconds, counts (if ``count``) and step times
+    (wall and main-thread CPU) at each depth."""
     torch.set_num_threads(1)
     out = {}
     for n in layers:
-        opts = optimizers(sharded_model(n, kind))
+        opts = optimizers(sharded_model(n, kind, width))
         first = warm_up(opts, warmup)
         counts = {label: count_step(opts[k], p) if count else {} for label, (k, p) in CONTENDERS.items()}
         times = timed_steps(opts, steps)
         out[n] = {
-            label: counts[label] | {"times": times[label], "first_s": first[label]} for label in CONTENDERS
+            label: counts[label]
+            | {"times": times[label]["wall"], "cpu_times": times[label]["cpu"]}
+            | {"first_s": first[label]}
+            for label in CONTENDERS
         }
     return out
 
@@ -259,7 +278,7 @@ def many_layers_within(probe: tuple[float, float], probe_layers: int, seconds: f
     return max(probe_layers, min(most, int(probe_layers * x)))
 
 
-def rank_many(most: int, seconds: float, steps: int, warmup: int) -> dict[str, Any]:
+def rank_many(most: int, seconds: float, steps: int, warmup: int, count: bool = True) -> dict[str, Any]:
     """Inside a rank: the many-matrices case at the most layers (up to ``most``) that fit ``seconds``
     after a probe at PROBE_LAYERS; every rank takes the same pick (the slowest rank's probe)."""
     import torch.distributed as dist
@@ -273,67 +292,8 @@ def rank_many(most: int, seconds: float, steps: int, warmup: int) -> dict[str, A
     return {
         "layers": layers,
         "probe_s": times.tolist(),
-        "rows": rank_measure([layers], "square", steps, warmup, count=False),
+        "rows": rank_measure([layers], "square", steps, warmup, count=count),
     }
-
-
-def summarize(per_rank: list[dict[int, dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
-    """Rows (contender, ranks, layers): counts of the rank with most ops, median slowest-rank ms."""
-    rows = []
-    for layers in per_rank[0]:
-        for label in CONTENDERS:
-            at = [r[layers][label] for r in per_rank]
-            busiest = max(at, key=lambda c: c.get("ops", 0))
-            slowest = [max(t) for t in zip(*(c["times"] for c in at), strict=True)]
-            rows.append(
-                {"contender": label, "ranks": ranks, "layers": layers, "ops": busiest.get("ops")}
-                | {"ops_each_rank": [c.get("ops") for c in at], "collectives": busiest.get("collectives")}
-                | {"collective_names": busiest.get("collective_names"), "op_names": busiest.get("op_names")}
-                | {"median_ms": statistics.median(slowest) * 1e3, "step_ms": [t * 1e3 for t in slowest]}
-                | {"first_step_s": max(c["first_s"] for c in at)}
-            )
-    return rows
-
-
-def per_layer(rows: list[dict[str, Any]], layers: int) -> None:
-    """Add ops added per layer, and its ratio to AdamW's at the same ranks, to every depth row."""
-    ops = {(r["contender"], r["ranks"], r["layers"]): r["ops"] for r in rows}
-    for r in rows:
-        deep, shallow = ((r["contender"], r["ranks"], n) for n in (2 * layers, layers))
-        r["ops_per_layer"] = (ops[deep] - ops[shallow]) / layers
-    for r in rows:
-        adamw = next(a for a in rows if a["contender"] == ADAMW and a["ranks"] == r["ranks"])
-        r["ratio_per_layer_to_adamw"] = r["ops_per_layer"] / adamw["ops_per_layer"]
-
-
-def format_depth(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| optimizer / path | ranks | layers | top-level ops/step | ops added per layer "
-        "| ratio to AdamW's | collectives/step | host ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['contender']} | {r['ranks']} | {r['layers']} | {r['ops']:,} | {r['ops_per_layer']:.1f} "
-            f"| {r['ratio_per_layer_to_adamw']:.1f} | {r['collectives']} | {r['median_ms']:.1f} |"
-        )
-    return "\n".join(lines)
-
-
-def format_many(rows: list[dict[str, Any]], matrices: int) -> str:
-    adamw = next(r for r in rows if r["contender"] == ADAMW)
-    lines = [
-        f"{matrices:,} matrices of {WIDTH} x {WIDTH}, 2 ranks:",
-        "| optimizer / path | host ms/step | ratio to AdamW | first step s |",
-        "|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        r["ratio_ms_to_adamw"] = r["median_ms"] / adamw["median_ms"]
-        lines.append(
-            f"| {r['contender']} | {r['median_ms']:.1f} | {r['ratio_ms_to_adamw']:.2f} "
-            f"| {r['first_step_s']:.1f} |"
-        )
-    return "\n".join(lines)
 
 
 def avx512_bf16() -> bool:
@@ -345,7 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8, help="L: models of L and 2L layers (8)")
     p.add_argument("--world-sizes", default="2,4", help="comma-separated gloo ranks (2,4)")
-    p.add_argument("--steps", type=int, default=15, help="timed steps per contender (15)")
+    p.add_argument("--steps", type=int, default=15, help="timed rounds, depth case (15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (2)")
     p.add_argument(
         "--many-layers", type=int, default=250, help="most layers of 4 matrices, second case (250)"
@@ -353,7 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--budget", type=float, default=270.0, help="s the whole run should take; sizes case 2 (270)"
     )
-    p.add_argument("--many-steps", type=int, default=5, help="timed steps, second case (5)")
+    p.add_argument("--many-steps", type=int, default=30, help="timed rounds, many matrices (30)")
+    p.add_argument("--no-count-many", dest="count_many", action="store_false", help="skip the profiler there")
+    p.add_argument("--wide-layers", type=int, default=8, help="layers of bench_step.py's set (8)")
+    p.add_argument("--wide-width", type=int, default=512, help="their width (512)")
+    p.add_argument("--wide-steps", type=int, default=7, help="timed rounds of that set (7)")
+    p.add_argument("--cases", default="depth,wide,many", help="which cases to run (depth,wide,many)")
     p.add_argument("--timeout", type=float, default=600.0, help="rank timeout, s (600)")
     p.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this many s for a quiet machine")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
@@ -371,8 +336,8 @@ def run_depth(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]
         per_rank = run_ranks(
             bench_host.rank_measure, n, layers, "llama", args.steps, args.warmup, timeout=args.timeout
         )
-        depth += summarize(per_rank, n)
-    per_layer(depth, args.layers)
+        depth += summarize(per_rank, n, list(CONTENDERS), ADAMW)
+    per_layer(depth, args.layers, ADAMW)
     return depth
 
 
@@ -382,12 +347,22 @@ def run_many(args: argparse.Namespace, left: float) -> dict[str, Any]:
     from muon_dtensor.testing import run_ranks
 
     ranks = run_ranks(bench_host.rank_many, 2, args.many_layers, left, args.many_steps, args.warmup,
-                      timeout=args.timeout)  # fmt: skip
-    rows = summarize([r["rows"] for r in ranks], 2)  # not counted: ops and collectives are None
+                      args.count_many, timeout=args.timeout)  # fmt: skip
+    rows = summarize([r["rows"] for r in ranks], 2, list(CONTENDERS), ADAMW)
     print(f"picked: {4 * ranks[0]['layers']:,} matrices at 2 ranks (at most {4 * args.many_layers:,}; "
           f"{left:.0f} s left of --budget, AdamW's first step {ranks[0]['probe_s'][0]:.1f} s at "
-          f"{4 * PROBE_LAYERS} matrices), {args.many_steps} timed steps")  # fmt: skip
+          f"{4 * PROBE_LAYERS} matrices), {args.many_steps} timed rounds")  # fmt: skip
     return {"many_matrices": 4 * ranks[0]["layers"], "many_probe_s": ranks[0]["probe_s"], "many_rows": rows}
+
+
+def run_wide(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``bench_step.py``'s default set (8 layers at width 512) on 2 ranks, counted and timed."""
+    from benchmarks import bench_host
+    from muon_dtensor.testing import run_ranks
+
+    per_rank = run_ranks(bench_host.rank_measure, 2, [args.wide_layers], "default", args.wide_steps,
+                         args.warmup, True, args.wide_width, timeout=args.timeout)  # fmt: skip
+    return summarize(per_rank, 2, list(CONTENDERS), ADAMW)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -395,21 +370,31 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     load = wait_for_quiet(args.wait_quiet)
     started = time.perf_counter()
+    cases = set(args.cases.split(","))
     sizes = [int(n) for n in args.world_sizes.split(",")]
-    print(
-        f"picked: L = {args.layers} and {2 * args.layers} layers at {sizes} ranks, {args.steps} timed steps"
-    )
-    depth = run_depth(args, sizes)
-    many = run_many(args, args.budget - (time.perf_counter() - started) - START_UP_S)
-    print(format_depth(depth))
-    print()
-    print(format_many(many["many_rows"], many["many_matrices"]))
-    if max(sizes) > (os.cpu_count() or 1):
+    payload: dict[str, Any] = {}
+    if "depth" in cases:
+        print(
+            f"picked: L = {args.layers} and {2 * args.layers} layers at {sizes} ranks, {args.steps} timed rounds"
+        )
+        payload["depth_rows"] = run_depth(args, sizes)
+        print(format_depth(payload["depth_rows"]) + "\n")
+    if "wide" in cases:
+        payload["wide_rows"] = run_wide(args)
+        title = f"{args.wide_layers} layers of width {args.wide_width} (bench_step.py's set), 2 ranks:"
+        print(format_timed(payload["wide_rows"], title) + "\n")
+    if "many" in cases:
+        payload |= run_many(args, args.budget - (time.perf_counter() - started) - START_UP_S)
+        title = f"{payload['many_matrices']:,} matrices of {WIDTH} x {WIDTH}, 2 ranks:"
+        print(format_timed(payload["many_rows"], title))
+    if "depth" in cases and max(sizes) > (os.cpu_count() or 1):
         print(f"NOTE: {max(sizes)} ranks on {os.cpu_count()} cores are oversubscribed (time-shared).")
     elapsed = time.perf_counter() - started
-    print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}; run took {elapsed:.0f} s")
-    payload = {**system_info(), "avx512_bf16": avx512_bf16(), "config": results_config(args)}
-    payload |= {"load_at_start": load, "elapsed_s": round(elapsed, 1), "depth_rows": depth, **many}
+    print(f"load average at start (1, 5, 15 min): {load['loadavg_1_5_15_min']}, at the end "
+          f"{os.getloadavg()}; run took {elapsed:.0f} s")  # fmt: skip
+    payload = {**system_info(), "avx512_bf16": avx512_bf16(), "config": results_config(args)} | {
+        "load_at_start": load, "elapsed_s": round(elapsed, 1), **payload
+    }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results written to {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")

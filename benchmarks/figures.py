@@ -67,53 +67,7 @@ def plan_scaling() -> dict[str, Any]:
     return out
 
 
-STEPS = 40  # the demo's default
-
-
-def train_losses(optimizer: str, folder: str) -> dict[str, float]:
-    """Rank function: the demo's model, data and FSDP2 layout (muon_dtensor.demo), ``STEPS`` steps with
-    the demo's Muon (Muon for the matrices, AdamW for the rest), or AdamW for every parameter at the
-    demo's AdamW settings; the global mean loss of each step."""
-    import torch
-
-    from muon_dtensor import Muon
-    from muon_dtensor.demo.data import corpus, tokens
-    from muon_dtensor.demo.model import TinyLM
-    from muon_dtensor.demo.run import BATCH
-    from muon_dtensor.demo.train import ADAMW, RunSpec, ShardedSession, train_step
-
-    torch.manual_seed(0)
-    session = ShardedSession(
-        TinyLM(RunSpec("muon_dtensor", "fsdp", STEPS, 2, BATCH // 2, folder).model), "fsdp"
-    )
-    if optimizer == "adamw":
-        named = list(session.model.named_parameters())
-        session.opt = Muon([{"params": named, "algorithm": "adamw", **ADAMW}])
-    spec = RunSpec("muon_dtensor", "fsdp", STEPS, 2, BATCH // 2, folder)
-    data = tokens(corpus())
-    return {str(step): train_step(session, data, step, spec) for step in range(1, STEPS + 1)}
-
-
-def muon_vs_adamw() -> dict[str, Any]:
-    """The demo's task at equal steps: Muon and AdamW, in one process and on 2 FSDP2 ranks (gloo)."""
-    import tempfile
-
-    import torch
-
-    from muon_dtensor.testing import run_ranks
-
-    runs = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for world in (1, 2):
-            for optimizer in ("muon", "adamw"):
-                runs[f"{optimizer}, {world} rank{'s' if world > 1 else ''}"] = run_ranks(
-                    train_losses, world, optimizer, folder, timeout=600
-                )[0]
-    return {"steps": STEPS, "torch": torch.__version__, "runs": runs}
-
-
 COMPUTED: dict[str, Callable[[], dict[str, Any]]] = {
-    "muon_vs_adamw": muon_vs_adamw,
     "momentum_memory": momentum_memory,
     "plan_scaling": plan_scaling,
 }
@@ -182,25 +136,111 @@ def draw_plan_scaling(data: dict[str, Any], plt: Any) -> Any:
 
 
 def draw_muon_vs_adamw(data: dict[str, Any], plt: Any) -> Any:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"muon": "tab:blue", "adamw": "tab:gray"}
-    for label, losses in data["runs"].items():
-        steps = [int(k) for k in losses]
-        style = "-" if label.endswith(" 1 rank") else "o"  # 2 ranks: markers, on the one-process line
-        ax.plot(
-            steps, list(losses.values()), style, color=styles[label.split(",")[0]], label=label, lw=1.5, ms=3
+    """train_benefit.json: val loss against steps and tokens at each arm's best lr (mean, band from the
+    lowest to the highest of the seeds), and the final val loss against lr (seed 0)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    summary, setup = data["summary"], data["protocol"]["setup"]
+    tokens = setup["batch"] * setup["seq"]
+    for arm, color in ARM_COLORS.items():
+        curves = _curves(data["runs"], arm, summary["best_lr"][arm], data["protocol"]["steps"])
+        if not curves:
+            continue
+        steps = [p["step"] for p in curves[0]]
+        vals = [[c[i]["val_loss"] for c in curves] for i in range(len(steps))]
+        mean = [sum(v) / len(v) for v in vals]
+        label = f"{arm} lr {summary['best_lr'][arm]:g} ({len(curves)} seed{'s' * (len(curves) > 1)})"
+        left.plot(steps, mean, "-", color=color, label=label, lw=1.8)
+        left.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.25)
+    left.set_xlabel(f"step (x {tokens:,} tokens)")
+    left.set_ylabel("held-out val loss (nats per byte, 128 windows)")
+    left.set_title("Hamlet + The Tempest held out: mean and range over seeds", fontsize=10, pad=30)
+    top = left.secondary_xaxis("top", functions=(lambda s: s * tokens / 1e3, lambda t: t * 1e3 / tokens))
+    top.set_xlabel("thousands of tokens")
+    for arm, color in ARM_COLORS.items():
+        grid = sorted(
+            (r["settings"]["lr"], r["final_val_loss"]) for r in data["runs"] if _is(r, arm, 0, data)
         )
-    ax.set_xlabel("step (markers: the 2-rank runs, on the one-process lines)")
-    ax.set_ylabel("training loss")
-    ax.set_title("the demo's task: Muon against AdamW at equal steps (one process and 2-rank FSDP2)")
-    ax.title.set_fontsize(10)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+        right.semilogx([g[0] for g in grid], [g[1] for g in grid], "o-", color=color, label=arm, base=2)
+    tried = sorted({r["settings"]["lr"] for r in data["runs"]})
+    right.set_xticks(tried, [f"{lr:g}" for lr in tried], rotation=45, fontsize=7)
+    right.minorticks_off()
+    right.set_xlabel("learning rate of the hidden matrices (seed 0)")
+    right.set_ylabel("final val loss (1,024 windows)")
+    right.set_title(f"the sweep; verdict: {summary.get('verdict', 'incomplete')}", fontsize=10)
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+ARM_COLORS = {"muon": "tab:blue", "adamw": "tab:gray"}
+
+
+def _is(run: dict[str, Any], arm: str, seed: int, data: dict[str, Any]) -> bool:
+    s = run["settings"]
+    return bool(s["optimizer"] == arm and s["seed"] == seed and s["steps"] == data["protocol"]["steps"])
+
+
+def _curves(
+    runs: list[dict[str, Any]], arm: str, lr: float | None, steps: int
+) -> list[list[dict[str, float]]]:
+    s = [
+        r
+        for r in runs
+        if (r["settings"]["optimizer"], r["settings"]["lr"], r["settings"]["steps"]) == (arm, lr, steps)
+    ]
+    return [r["curve"] for r in sorted(s, key=lambda r: r["settings"]["seed"])]
+
+
+# The published costs of Muon's step (issue #47, each from its source): share of a step or step-time increase.
+PUBLISHED = [
+    ("modded-nanogpt speedrun (<2% wall)", 2.0),
+    ("Kimi K2, 256 GB300 (-2.1% TFLOP/s)", 2.1),
+    ("modded-nanogpt (+2.5% step)", 2.5),
+    ("modded-nanogpt (+3.8% step)", 3.8),
+    ("dion on FSDP2, 1B, 8 B200 (5.5-5.8%)", 5.65),
+    ("Marin (+5-7% training time)", 6.0),
+]
+
+
+def draw_step_share(data: dict[str, Any], plt: Any) -> Any:
+    """step_share_measured.json: measured and predicted shares here, the model's H200 predictions and
+    the published figures, as one bar chart of percentages (log scale)."""
+    bars: list[tuple[str, float, str]] = []
+    for r in data["rows"]:
+        t = f"{r['tokens']:,} tok"
+        bars.append((f"measured here: Muon, 2 CPU ranks, {t}", 100 * r["muon_share"], "tab:blue"))
+        bars.append((f"predicted (FLOPs): Muon, {t}", 100 * r["predicted_muon_share"], "tab:cyan"))
+        bars.append((f"measured here: AdamW, {t}", 100 * r["adamw_share"], "tab:gray"))
+    for r in data.get("h200_predicted", []):
+        bars.append(
+            (
+                f"cost model: {r['model']}, {r['gpus']} H200, {r['tokens'] / 1e6:g}M tok",
+                100 * r["muon_share"],
+                "tab:purple",
+            )
+        )
+    bars += [(f"published: {name}", value, "tab:orange") for name, value in PUBLISHED]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.2))
+    ax.barh(range(len(bars)), [b[1] for b in bars], color=[b[2] for b in bars])
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    for i, b in enumerate(bars):
+        ax.text(b[1], i, f" {b[1]:.2g}%", va="center", fontsize=7)
+    ax.set_xlabel("optimizer share of a training step (%)")
+    cfg = data["config"]
+    ax.set_title(
+        f"Muon's share of a step: width {cfg['width']}, {cfg['layers']} layers here; H200 by the cost model",
+        fontsize=10,
+    )
+    ax.grid(True, axis="x", alpha=0.3)
     return fig
 
 
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any], Any], Any]]] = {
-    "muon_vs_adamw": ("figure_muon_vs_adamw.json", draw_muon_vs_adamw),
+    "muon_vs_adamw": ("train_benefit.json", draw_muon_vs_adamw),
+    "step_share": ("step_share_measured.json", draw_step_share),
     "plan_scaling": ("figure_plan_scaling.json", draw_plan_scaling),
     "demo_resume": ("demo_fsdp_2to1.json", draw_demo_resume),
     "momentum_memory": ("figure_momentum_memory.json", draw_momentum_memory),

@@ -43,12 +43,21 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _running(pid: int) -> bool:
+    """``pid`` lives: its /proc entry exists and it is not a zombie (an exited child stays in /proc,
+    state Z, until its parent waits for it, and the parent waits only after sampling ends)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def sample(root: int, out: Path, interval: float = 1.0) -> None:
     """Each ``interval``, one JSON line: the time, and each process under ``root`` with its CPU seconds
     (``new``: the command lines of processes first seen)."""
     seen: set[int] = set()
     with out.open("w") as f:
-        while Path(f"/proc/{root}").exists():
+        while _running(root):
             children: dict[int, list[int]] = collections.defaultdict(list)
             for entry in os.listdir("/proc"):
                 if entry.isdigit() and (st := _stat(int(entry))):

@@ -60,6 +60,7 @@ from muon_dtensor.checkpoint import latest_step, load_checkpoint, save_checkpoin
 from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.checkpoint.safetensors import export_safetensors
 from muon_dtensor.demo.data import batch, corpus, file_tokens, tokens
+from muon_dtensor.demo.log import grad_norm, learning_rates, peak_memory
 from muon_dtensor.demo.model import ModelConfig, TinyLM
 from muon_dtensor.demo.parallel import MeshShape, build_mesh, data_parallel, device_type, shard_model
 
@@ -189,9 +190,16 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, Muon, Any, torch.Tensor]
 
 
 def train_step(
-    model: nn.Module, opt: Muon, data: torch.Tensor, step: int, args: argparse.Namespace, mesh: Any
-) -> float:
-    """One step on this rank's share of the global batch; returns the mean loss over all ranks."""
+    model: nn.Module,
+    opt: Muon,
+    data: torch.Tensor,
+    step: int,
+    args: argparse.Namespace,
+    mesh: Any,
+    norm: bool = False,
+) -> tuple[float, float | None]:
+    """One step on this rank's share of the global batch; returns the mean loss over all ranks and,
+    with ``norm`` (logging steps only: one all-reduce per mesh), the global gradient norm before it."""
     dp_rank, dp_size, dp_group = data_parallel(mesh)
     if args.batch_size % dp_size:
         raise SystemExit(
@@ -201,11 +209,12 @@ def train_step(
     mine = batch(data, step, args.batch_size, args.seq)[dp_rank * share : (dp_rank + 1) * share]
     loss = model.loss(mine.to(device_type()))  # type: ignore[operator]
     loss.backward()
+    grad = grad_norm(model.parameters()) if norm else None
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().float()
     dist.all_reduce(total, group=dp_group)
-    return float(total) / dp_size
+    return float(total) / dp_size, grad
 
 
 def resume(args: argparse.Namespace, model: nn.Module, opt: Muon, schedule: LambdaLR) -> int:
@@ -245,16 +254,18 @@ def train(args: argparse.Namespace) -> None:
         return
     clock = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
-        lr = opt.param_groups[0]["lr"]  # the learning rate this step uses
-        loss = train_step(model, opt, data, step, args, mesh)
+        lr, lrs = opt.param_groups[0]["lr"], learning_rates(opt)  # the learning rates this step uses
+        logs = step % args.log_every == 0 or step == args.steps
+        loss, norm = train_step(model, opt, data, step, args, mesh, norm=logs)
         schedule.step()
-        if step % args.log_every == 0 or step == args.steps:
+        if logs:
             rate = (step - start) / (time.perf_counter() - clock)
             m = opt.metrics()  # flat floats: what a trainer hands to wandb or TensorBoard as is
             log(
-                f"step {step}/{args.steps} loss {loss:.4f} lr {lr:.5f} ({rate:.1f} steps/s) "
+                f"step {step}/{args.steps} loss {loss:.4f} lr {lr:.5f} ({rate:.1f} steps/s, "
+                f"{rate * args.batch_size * args.seq:,.0f} tok/s) grad norm {norm:.4g} lr per group {lrs} "
                 f"update rms {m['muon/update_rms']:.2e} sent {m['muon/bytes_sent'] / 1e6:.2f} MB "
-                f"Newton-Schulz {m['muon/orthogonalized']:.0f} matrices"
+                f"Newton-Schulz {m['muon/orthogonalized']:.0f} matrices, {peak_memory(device_type())}"
             )
         if step % args.save_every == 0 or step == args.steps:
             extra = {"data_step": step, "scheduler": schedule.state_dict(), "schedule": schedule_of(args)}

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 # The pure math loads at once: it checks MUON_DTENSOR_NS_BATCH at import, so a bad value stops
 # every rank at ``import muon_dtensor``, before any collective.
-from .base.moved import keep_old_paths
+from .base import moved  # noqa: F401  (the old module paths, importable from here on)
 from .numerics.newton_schulz import DEFAULT_COEFFICIENTS, PRESETS, NSConfig, newton_schulz, orthogonalize
 
 if TYPE_CHECKING:
+    from .checks.wrong_matrix import WrongMatrixWarning
     from .features.qk_clip import QKClipFactors, qk_clip_, qk_clip_all_, qk_clip_factors
     from .numerics.ns_config import resolve_ns_config
     from .optim.optimizer import ADAMW_DEFAULTS, Muon
@@ -32,6 +33,7 @@ _WHERE = {
     "ADAMW_DEFAULTS": ".optim.optimizer",
     "Muon": ".optim.optimizer",
     "split_params": ".optim.param_groups",
+    "WrongMatrixWarning": ".checks.wrong_matrix",
     "MatrixEntry": ".sharding.plan.build",
     "Plan": ".sharding.plan.build",
     "build_plan": ".sharding.plan.build",
@@ -46,6 +48,7 @@ __all__ = [
     "NSConfig",
     "Plan",
     "QKClipFactors",
+    "WrongMatrixWarning",
     "build_plan",
     "newton_schulz",
     "orthogonalize",
@@ -67,29 +70,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-# Module paths that moved in 0.2.0 (CHANGELOG.md): the old path imports the new module again, with a
-# DeprecationWarning naming it, for this one release; the aliases go in the next.
-MOVED = {
-    "hf": "integrations.hf",
-    "resume_check": "tools.resume_check",
-    "topology": "tools.topology",
-    "qk_clip": "features.qk_clip",
-    "qk_logits": "features.qk_logits",
-    **{m: f"numerics.{m}" for m in ("newton_schulz", "split_ns", "elementwise", "normuon")},
-    **{m: f"optim.{m}" for m in ("optimizer", "functional", "state", "policy", "report", "param_groups")},
-    **{m: f"checks.{m}" for m in ("validation", "preflight", "agreement", "step_checks")},
-    "_sharding": "sharding",
-    **{f"_sharding.{m}": f"sharding.plan.{m}" for m in ("blocks", "param_layout", "views", "routes", "runs")},
-    **{f"_sharding.{m}": f"sharding.plan.{m}" for m in ("gangs", "domains", "owners", "memory")},
-    "_sharding.plan": "sharding.plan.build",
-    **{f"_sharding.{m}": f"sharding.runtime.{m}" for m in ("comm", "groups", "exchange", "split_exchange")},
-    "_compat": "base.compat",
-}
-
-
-keep_old_paths(__name__, {old: f"{__name__}.{new}" for old, new in MOVED.items()}, since="0.2.0")
 
 
 # The package's version, in this one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`).

@@ -27,9 +27,10 @@ from muon_dtensor import Muon
 
 __all__ = ["LLAMA_MATRICES", "MuonOptimizersContainer", "muon_optimizer_config"]
 
-# The hidden matrices of torchtitan's Llama 3 (q, k, v, o and the three MLP projections). Embeddings,
-# norms and the output head match the catch-all group and get AdamW, as in the Muon papers.
-LLAMA_MATRICES = r"^layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$"
+# The hidden matrices of torchtitan's Llama 3 (q, k, v, o and the three MLP projections; 0.3.0's
+# models fuse q, k, v into attention.qkv_linear.wqkv, one Muon matrix). Embeddings, norms and the
+# output head match the catch-all group and get AdamW, as in the Muon papers.
+LLAMA_MATRICES = r"^layers\.\d+\.(attention\.(w[qkvo]|qkv_linear\.wqkv)|feed_forward\.w[123])\.weight$"
 
 
 class MuonOptimizersContainer(OptimizersContainer):

@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_QKV_NAMES",
+    "NOT_HEAD_NAMES",
     "matches",
     "module_of",
     "not_heads",
@@ -28,7 +29,7 @@ DEFAULT_QKV_NAMES = (
     "q_proj", "k_proj", "v_proj", "qkv_proj", "wq", "wk", "wv", "query", "key", "value", "query_key_value",
 )  # fmt: skip
 # Output projections and MLP matrices: rows that are not heads, so head_dim must never reach them.
-_NOT_HEADS = frozenset((
+NOT_HEAD_NAMES = frozenset((
     "o", "o_proj", "out_proj", "wo", "c_proj", "dense", "proj", "attn_out", "gate", "up", "down",
     "gate_proj", "up_proj", "down_proj", "fc", "fc1", "fc2", "c_fc", "w1", "w2", "w3", "dense_h_to_4h",
     "dense_4h_to_h", "mlp",
@@ -55,7 +56,7 @@ def module_of(name: str) -> str:
 def not_heads(names: Sequence[str]) -> list[str]:
     """The parameter FQNs among ``names`` whose module is an output projection or an MLP matrix:
     rows that are not attention heads (positional names match nothing)."""
-    return [n for n in names if module_of(n) in _NOT_HEADS]
+    return [n for n in names if module_of(n) in NOT_HEAD_NAMES]
 
 
 def refusal(name: str, shape: tuple[int, ...], head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> str:

@@ -8,14 +8,10 @@ and the ranks holding each saved entry (``holders``) over object gathers (``coll
 
 from __future__ import annotations
 
-from ..base.moved import keep_old_paths
+from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, complete_steps, step_dir
 from .safetensors import export_safetensors, load_safetensors
-from .save import PendingSave, async_save_checkpoint, latest_step, load_checkpoint, save_checkpoint
-
-# The module paths before 0.6, for one release (CHANGELOG.md), with no file at the old path.
-_MOVED = {"helpers": "save", "layout": "keys", "agree": "arguments_agree"}
-keep_old_paths(__name__, {old: f"{__name__}.{new}" for old, new in _MOVED.items()})
+from .save import PendingSave, async_save_checkpoint, save_checkpoint
 
 __all__ = [
     "CheckpointError",

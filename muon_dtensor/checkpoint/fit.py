@@ -54,7 +54,7 @@ def check_compatible(
     folder: Path,
     metadata: Metadata,
     flat_state: Mapping[str, Any],
-    layout: KeyFormat,
+    key_format: KeyFormat,
     everywhere: Collection[str],
     groups: list[list[str]],
 ) -> None:
@@ -64,14 +64,14 @@ def check_compatible(
     (every rank's wanted keys: a stage loads its part, the stages together the whole checkpoint).
     A weights-only load ignores the checkpoint's optimizer entries. ``groups``: the FQNs of each
     of this rank's param groups (format 2), whose saved settings must agree within a group."""
-    parts = {layout.part(k) for k in flat_state} - {"other"}
-    refuse_int8_conversion(folder, metadata, flat_state, layout.optim + "state.")
-    entries = {k: v for k, v in metadata.state_dict_metadata.items() if layout.part(k) in parts}
+    parts = {key_format.part(k) for k in flat_state} - {"other"}
+    refuse_int8_conversion(folder, metadata, flat_state, key_format.optim + "state.")
+    entries = {k: v for k, v in metadata.state_dict_metadata.items() if key_format.part(k) in parts}
     saved = {k: tuple(v.size) for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     wanted = tensor_keys(flat_state)
     missing, unexpected = wanted.keys() - saved.keys(), saved.keys() - set(everywhere)
     if missing or unexpected:
-        why, hint = _optimizer_only(missing | unexpected, layout)
+        why, hint = _optimizer_only(missing | unexpected, key_format)
         most = 3 if hint else 12  # the fix first; a few keys after it say enough
         raise CheckpointError(
             f"{folder} does not match this {'model and optimizer' if 'optim' in parts else 'model'}{why}."
@@ -85,18 +85,18 @@ def check_compatible(
     names = [
         k
         for k, v in entries.items()
-        if type(v) is BytesStorageMetadata and (k in flat_state or layout.format == 1)
+        if type(v) is BytesStorageMetadata and (k in flat_state or key_format.format == 1)
     ]
     saved_entries = read_entries(folder, metadata, names)
     if "optim" in parts:
-        _check_settings(folder, saved_entries, flat_state, layout, groups)
-    warn_converted_momentum(folder, metadata, flat_state, layout.optim + "state.")
+        _check_settings(folder, saved_entries, flat_state, key_format, groups)
+    warn_converted_momentum(folder, metadata, flat_state, key_format.optim + "state.")
 
 
-def _optimizer_only(keys: Iterable[str], layout: KeyFormat) -> tuple[str, str]:
+def _optimizer_only(keys: Iterable[str], key_format: KeyFormat) -> tuple[str, str]:
     """What the error says, and the way out, when the weights match and only the optimizer state
     does not; nothing when the weights differ too."""
-    if any(layout.part(k) != "optim" for k in keys):
+    if any(key_format.part(k) != "optim" for k in keys):
         return "", ""
     why = (
         ": the weights match, the optimizer state does not (the checkpoint was saved with another "
@@ -109,11 +109,11 @@ def _check_settings(
     folder: Path,
     saved: Mapping[str, Any],
     flat: Mapping[str, Any],
-    layout: KeyFormat,
+    key_format: KeyFormat,
     groups: list[list[str]],
 ) -> None:
-    prefix = layout.optim + "param_groups."
-    if layout.format == 1:
+    prefix = key_format.optim + "param_groups."
+    if key_format.format == 1:
         problems = _index_problems(folder, flat, saved, prefix)
     else:
         problems = [p for i, fqns in enumerate(groups) for p in _fqn_problems(i, fqns, flat, saved, prefix)]

@@ -7,8 +7,9 @@ built with local names (each stage's ``blocks.0``), plain or sharded on per-stag
 would keep one stage's weights and momentum under both, and a load would give stage 1 stage 0's.
 
 Each rank describes every model entry it saves: a DTensor by its mesh (global ranks), placements,
-global shape and dtype; a plain parameter by its shape, dtype and a fingerprint of its values
-(replicas are bit for bit alike); a plain buffer by its shape and dtype (FSDP leaves buffers such
+global shape and dtype; a plain parameter by its shape, dtype and a fingerprint of its values and
+of its optimizer state (replicas are bit for bit alike in both: two pipeline stages with equal
+weights, as after a first step at lr 0, differ in their momentum); a plain buffer by its shape and dtype (FSDP leaves buffers such
 as running statistics per rank). An FQN whose holders describe it alike is one tensor. One
 integer sum over the group compares the ranks' digests; only where they differ (pipeline stages
 hold different FQNs) does an object gather bring every rank's descriptions, and every rank then
@@ -46,11 +47,13 @@ def _param_fqns(parts: Parts) -> set[str]:
 
 
 def describe_entries(state: Mapping[str, Any], parts: Parts) -> dict[str, str]:
-    """Per model entry of a format-2 state dict (the optimizer's follow its parameter), what makes
-    it one tensor across ranks. Local; reads plain parameters' values in one host copy."""
+    """Per model entry of a format-2 state dict, what makes it one tensor across ranks; a plain
+    parameter's optimizer entries (momentum, ...) join its values' fingerprint, so two stages with
+    equal weights and different momentum differ. Local; reads the fingerprints in one host copy."""
     params = _param_fqns(parts)
+    optimizer = _optimizer_tensors(state.get("optimizer", {}), params)
     out: dict[str, str] = {}
-    fingerprinted: list[tuple[str, Tensor]] = []
+    fingerprinted: list[tuple[str, str, Tensor]] = []
     for key, value in state.items():
         if key == "optimizer" or not isinstance(value, Tensor):
             continue
@@ -62,12 +65,27 @@ def describe_entries(state: Mapping[str, Any], parts: Parts) -> dict[str, str]:
             )
         else:
             out[key] = f"tensor {tuple(value.shape)} {value.dtype}"
-            if key in params and value.numel():
-                fingerprinted.append((key, value))
+            if key in params:
+                fingerprinted += [(key, "values", value), *((key, k, t) for k, t in optimizer.get(key, []))]
+    fingerprinted = [(key, what, t) for key, what, t in fingerprinted if t.numel()]
     if fingerprinted:
-        sums = torch.stack([_fingerprint(t) for _, t in fingerprinted]).cpu().tolist()
-        for (key, _), (a, b) in zip(fingerprinted, sums):
-            out[key] += f" with values {a!r}/{b!r}"
+        sums = torch.stack([_fingerprint(t) for *_, t in fingerprinted]).cpu().tolist()
+        for (key, what, _), (a, b) in zip(fingerprinted, sums):
+            out[key] += f" with {what} {a!r}/{b!r}"
+    return out
+
+
+def _optimizer_tensors(optim: Mapping[str, Any], params: set[str]) -> dict[str, list[tuple[str, Tensor]]]:
+    """Per plain parameter FQN, its optimizer state's plain tensors (``state.<fqn>.<key>``) as
+    (key, tensor), in key order. The FQN is the longest dotted prefix that names a parameter."""
+    out: dict[str, list[tuple[str, Tensor]]] = {}
+    for key, value in sorted(optim.items()):
+        if not key.startswith("state.") or not isinstance(value, Tensor) or isinstance(value, DTensor):
+            continue
+        names = key.removeprefix("state.").split(".")
+        cut = next((i for i in range(len(names) - 1, 0, -1) if ".".join(names[:i]) in params), None)
+        if cut is not None:
+            out.setdefault(".".join(names[:cut]), []).append((".".join(names[cut:]), value))
     return out
 
 

@@ -136,42 +136,72 @@ def load_checkpoint(
     ``train_state``, ``dataloader``: each a dict, as that object's ``state_dict()`` was; the
     dataloader's values stay the bytes torchtitan pickled, never unpickled here).
     """
+    parts, fresh = _agreed_parts(model, optimizer, optimizer_state, step, root, process_group)
+    chosen = _chosen_step(root, step, process_group)
+    if chosen is None:
+        return None
+    folder, titan = _source(root, chosen)
+    rank = collectives.rank_and_size(process_group)[0]
+    manifest = _titan_manifest(folder, rank) if titan else _verify(folder, process_group)
+    key_format = TORCHTITAN if titan else format_of_manifest(manifest)
+    beside = _checked_titan_entries(folder, manifest["files"], process_group) if titan else {}
+    state, filled = _check_and_read(folder, manifest, key_format, parts, fresh, process_group)
+    _apply(state, key_format, filled, parts, fresh)
+    if fresh and rank == 0:
+        log.warning(_FRESH, folder)
+    return {"step": chosen, **beside, **fill(manifest.get("extra", {}), state)}
+
+
+_FRESH = (
+    "load_checkpoint(optimizer_state='fresh'): loaded the model weights of %s; the optimizer starts "
+    "fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used"
+)
+
+
+def _chosen_step(root: str | os.PathLike, step: int | None, group: dist.ProcessGroup | None) -> int | None:
+    """``step``, or rank 0's newest complete step (None: none), the same on every rank."""
+    chosen, error = collectives.broadcast_object(
+        attempt(lambda: step if step is not None else latest_step(root)), group
+    )
+    if error is not None:
+        raise error
+    return chosen
+
+
+def _agreed_parts(
+    model: Models,
+    optimizer: Optimizers,
+    optimizer_state: str,
+    step: int | None,
+    root: str | os.PathLike,
+    group: dist.ProcessGroup | None,
+) -> tuple[Parts, bool]:
+    """The rank's parts and whether its optimizers start fresh, once every rank passed the same
+    arguments (``arguments_agree``): a difference or a bad argument raises on every rank."""
 
     def local() -> tuple[tuple[Parts, bool], dict[str, Any]]:
         parts = Parts.of(model, optimizer)
         given = next((o for o in parts.optimizers if o is not None), None)
         return (parts, check_optimizer_state(optimizer_state, given)), {}
 
-    parts, fresh = agree(
+    return agree(
         "load_checkpoint",
-        process_group,
+        group,
         local,
         optimizer=optimizer_types(optimizer),
         optimizer_state=optimizer_state,
         step=step,
         root=str(root),
     )
-    chosen, error = collectives.broadcast_object(
-        attempt(lambda: step if step is not None else latest_step(root)), process_group
-    )
-    if error is not None:
-        raise error
-    if chosen is None:
-        return None
-    folder, titan = _source(root, chosen)
-    rank = collectives.rank_and_size(process_group)[0]
-    manifest = _titan_manifest(folder, rank) if titan else _verify(folder, process_group)
-    layout = TORCHTITAN if titan else format_of_manifest(manifest)
-    state, filled = _check_and_read(folder, manifest, layout, parts, fresh, process_group)
-    _apply(state, layout, filled, parts, fresh)
-    if fresh and rank == 0:
-        log.warning(
-            "load_checkpoint(optimizer_state='fresh'): loaded the model weights of %s; the optimizer "
-            "starts fresh (zero momentum, step 0), the checkpoint's optimizer state (if any) is not used",
-            folder,
-        )
-    beside = titan_entries(folder, manifest["files"]) if titan else {}
-    return {"step": chosen, **beside, **fill(manifest.get("extra", {}), state)}
+
+
+def _checked_titan_entries(folder: Path, files: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """``titan_entries``, read by every rank in the checked phase: a failure on any rank (an entry
+    that is not plain data, entries that clash) raises on every rank before anything is applied."""
+    beside, error = attempt(lambda: titan_entries(folder, files))
+    raise_together(error, group, "load_checkpoint", unchanged="Nothing was loaded")
+    assert beside is not None
+    return beside
 
 
 def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
@@ -180,8 +210,11 @@ def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
     ``torch.load(weights_only=True)``'s numbers, strings, bytes and containers)."""
     metadata = read_metadata(folder, files)
     out: dict[str, Any] = {}
+    leaves: set[str] = set()  # the keys read so far, and every dotted prefix of them
+    inner: set[str] = set()
     for key, value in sorted(read_entries(folder, metadata, bytes_entries(metadata, TITAN_ENTRIES)).items()):
         *path, last = key.split(".")
+        _refuse_clash(folder, key, leaves, inner)
         node = out
         for name in path:
             node = node.setdefault(name, {})
@@ -189,10 +222,25 @@ def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
     return out
 
 
+def _refuse_clash(folder: Path, key: str, leaves: set[str], inner: set[str]) -> None:
+    """A CheckpointError when ``key`` and an entry read before nest in each other (``a`` holds a
+    value and ``a.b`` another): both cannot come back as nested dicts. Records ``key``."""
+    names = key.split(".")
+    prefixes = [".".join(names[:i]) for i in range(1, len(names))]
+    clash = next((p for p in prefixes if p in leaves), f"{key}.*" if key in inner else None)
+    if clash is not None:
+        raise CheckpointError(
+            f"{folder}: the entries {clash!r} and {key!r} clash (one would be a value and a dict at once; "
+            "torchtitan never saves both). Nothing was loaded; the step folder was edited"
+        )
+    leaves.add(key)
+    inner.update(prefixes)
+
+
 def _check_and_read(
     folder: Path,
     manifest: dict[str, Any],
-    layout: KeyFormat,
+    key_format: KeyFormat,
     parts: Parts,
     fresh: bool,
     group: dist.ProcessGroup | None,
@@ -202,12 +250,12 @@ def _check_and_read(
     states: list[PartState] = []
 
     def template() -> dict[str, Any]:
-        if layout.format == 1:
+        if key_format.format == 1:
             return _by_index_state(parts, with_optimizer)
         states.extend(part_states(parts, with_optimizer))
         state = dcp_state(states)
         if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)
-            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), layout.optim)
+            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), key_format.optim)
         return state
 
     state, error = attempt(template)
@@ -219,7 +267,7 @@ def _check_and_read(
 
     def check() -> None:
         metadata = read_metadata(folder, manifest["files"])
-        check_compatible(folder, metadata, flat, layout, everywhere, groups)
+        check_compatible(folder, metadata, flat, key_format, everywhere, groups)
 
     raise_together(attempt(check)[1], group, "load_checkpoint")
     rank = collectives.rank_and_size(group)[0]
@@ -257,10 +305,10 @@ def _read(folder: Path, files: Any, state: dict[str, Any], group: dist.ProcessGr
 
 
 def _apply(
-    state: dict[str, Any], layout: KeyFormat, states: list[PartState], parts: Parts, fresh: bool
+    state: dict[str, Any], key_format: KeyFormat, states: list[PartState], parts: Parts, fresh: bool
 ) -> None:
     """Hand the loaded state to the parts (and their optimizers, unless they start fresh)."""
-    if layout.format == 2:
+    if key_format.format == 2:
         apply(state, states, parts)
     else:
         model, optimizer = parts.pairs()[0]

@@ -52,9 +52,9 @@ def _read_tensors(folder: Path, prefix: str | None) -> dict[str, torch.Tensor]:
     manifest = verify_folder(folder)
     files = sorted(manifest["files"])
     metadata = read_metadata(folder, files).state_dict_metadata
-    layout = format_of_manifest(manifest)
+    key_format = format_of_manifest(manifest)
     if prefix is None:
-        prefix, chosen = layout.model, [k for k in metadata if layout.part(k) == "model"]
+        prefix, chosen = key_format.model, [k for k in metadata if key_format.part(k) == "model"]
     else:
         chosen = [k for k in metadata if k.startswith(prefix)]
     state = {

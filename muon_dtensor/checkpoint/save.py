@@ -38,7 +38,6 @@ from .arguments_agree import agree_save
 from .extra_tensors import rank_entries, split_tensors
 from .holders import check_holders, describe_entries
 from .keys import PER_FQN, Models, Optimizers, Parts, dcp_state, optimizer_types, part_states
-from .loading import latest_step, load_checkpoint
 from .manifest import CheckpointError, check_extra, complete_steps, file_record
 from .publish import IN_FLIGHT, claim, discarding, prune, publish
 
@@ -47,8 +46,6 @@ __all__ = [
     "PendingSave",
     "async_save_checkpoint",
     "complete_steps",
-    "latest_step",
-    "load_checkpoint",
     "save_checkpoint",
 ]
 

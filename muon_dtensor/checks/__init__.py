@@ -1,11 +1,8 @@
 """The checks a step and its callers make before data moves: the one agreement primitive
 (``together``), local input checks (``validation``, the parameters' own in ``param_checks``),
 per-rank data flags (``preflight``), the agreement's digest of the settings (``agreement``), the step
-group's fingerprint (``step_scope``), summed together once per scope (``step_checks``), and the
+group's fingerprint (``step_scope``), summed together once per scope (``step_checks``), each group's
+checked settings kept until a value changes (``settings_cache``), and the
 identity of a step group or QK-Clip process group agreed over the default group
-(``group_identity``). ``names`` and ``warn`` moved to ``base/`` (their old paths import them for one
-release). Row ``checks/`` of docs/design.md's layer table."""
-
-from ..base.moved import keep_old_paths
-
-keep_old_paths(__name__, {"names": "muon_dtensor.base.names", "warn": "muon_dtensor.base.warn"})  # 0.6
+(``group_identity``), and the local warning where a Muon group holds an embedding or an output head
+(``wrong_matrix``). Row ``checks/`` of docs/design.md's layer table."""

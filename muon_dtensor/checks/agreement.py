@@ -93,6 +93,12 @@ def explain(scope: Any, mine: list[Entry], everyone: dict[int, list[Entry]]) -> 
         kinds.setdefault(repr(theirs), []).append(rank)
     first = min(everyone.items())[1]
     other = next((e for e in everyone.values() if e != first), mine)
+    if len(kinds) == 1:  # a gather that hands back this rank's entries as every rank's (a fake group)
+        raise ValueError(
+            f"ranks disagree about the optimizer on {scope}, but the entries gathered from ranks "
+            f"{sorted(everyone)} are all this rank's: that group's gather moves nothing (torch's fake "
+            "backend), so the difference cannot be named. Give its ranks a real backend to compare them"
+        )
     raise ValueError(
         f"ranks disagree about the optimizer on {scope}: {_difference(first, other)} (ranks that agree: "
         f"{' | '.join(str(r) for r in kinds.values())}). Build the optimizer the same way on every rank: "

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..sharding.runtime.comm import gather_over_scope
+from ..sharding.runtime.comm import fake_refusal, gather_over_scope
 from .agreement import scope_entries
 from .step_scope import agreed, fingerprint, scope_key, step_scope
 from .together import group_of, raise_together, summed
@@ -31,9 +31,13 @@ __all__ = ["agree_group", "agree_step_group", "group_key"]
 def group_key(group: Any, name: str) -> tuple:
     """``group`` as plain data that every rank holding it gives alike: its global ranks and its
     communicator's name (a mesh: its shape, dimension names and each axis's communicator). A
-    ValueError naming ``name`` for a group this rank is not in."""
+    ValueError naming ``name`` for a group this rank is not in, or a fake group that would lie
+    (``comm.fake_refusal``)."""
     rank = dist.get_rank()
     refuse_non_member(group, name)
+    refusal = fake_refusal(group, name)
+    if refusal is not None:  # its sums would hand each rank its own values as everyone's
+        raise ValueError(refusal)
     key = scope_key(group)
     if isinstance(group, DeviceMesh):
         comms = tuple(group.get_group(axis).group_name for axis in range(group.ndim))

@@ -11,9 +11,10 @@ check may follow from it); a bad value set on every rank is the local check's er
 everywhere. Scopes reduce in one sorted order on every rank.
 
 What does not change between steady steps is cached by parameter identity: the hash of the
-parameter rows, the names and the scopes. A step then hashes only the settings (an lr schedule
-changes lr) and builds the per-rank flags. Each new parameter set bumps ``generation``, which the
-optimizer's plan and state caches compare instead of building keys of their own.
+parameter rows, the names and the scopes; each group's checked settings are kept until one of its
+values changes (``settings_cache.py``). A step then compares each group's settings key, hashes the
+settings (an lr schedule changes lr) and builds the per-rank flags. Each new parameter set bumps
+``generation``, which the optimizer's plan and state caches compare instead of building keys of their own.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from ..sharding.runtime.comm import gather_over_scope, sum_over_scopes
 from .agreement import all_params, explain, scope_entries, settings_of
 from .param_checks import check_switched
 from .preflight import PreflightItem, local_flags, presence, raise_for, specs_of
+from .settings_cache import Resolved, SettingsCache
 from .step_scope import StepScope, agreed, describe, scope_key, step_scope
 from .together import digest_pieces, disagree, group_of, summed
-from .validation import check_group
 
 __all__ = ["StepChecks"]
 
@@ -89,6 +90,8 @@ class StepChecks:
         self._param_set: _ParamSetCache | None = None
         self.generation = 0  # counts parameter sets: the plan and state caches compare it, nothing else
         self._checked: tuple[int, set[tuple[Any, ...]]] = (0, set())  # settings whose parameter checks passed
+        self.settings = SettingsCache()  # each group's checked settings, resolved again when they change
+        self.resolved: list[Resolved] = []  # this step's, per group (the optimizer keeps its hypers on them)
 
     def param_set(self, groups: Sequence[Mapping[str, Any]], ddp_group: Any = None) -> int:
         """The generation of the current parameter set (local: no collective)."""
@@ -103,12 +106,15 @@ class StepChecks:
         param_set = self._param_set_of(groups, ddp_group)
         if self._checked[0] != self.generation:
             self._checked = (self.generation, set())
-        configs, error = _local_checks(groups, self._checked[1])
+        self.resolved, error = _local_checks(groups, self._checked[1], self.settings)
+        configs = [r.config for r in self.resolved]
         if error is None and param_set.step.outside is not None:
             error = ValueError(param_set.step.outside)
         bits, bad = presence(param_set.flat, param_set.specs)
+        agreed_settings = [r.settings for r in self.resolved]
+        agreed_settings += [settings_of(g) for g in groups[len(agreed_settings) :]]  # a group that failed
         digests = [
-            digest_pieces(text + repr([settings_of(groups[i]) for i in members]))
+            digest_pieces(text + repr([agreed_settings[i] for i in members]))
             for text, members in zip(param_set.params, param_set.members)
         ]
         held = [_bits_pieces(bits, scoped) for scoped in param_set.scoped]
@@ -174,24 +180,26 @@ def _explain(groups: Sequence[Mapping[str, Any]], ddp_group: Any, scope: Any) ->
 
 
 def _local_checks(
-    groups: Sequence[MutableMapping[str, Any]], checked: set[tuple[Any, ...]]
-) -> tuple[list[NSConfig | None], Exception | None]:
-    """``validation.check_group`` of every group (normalizing its keys), and ``check_switched`` of
-    its parameters where the settings it reads are new (``checked``: those already passed for this
-    parameter set); the first error caught (raised once every rank knows)."""
-    configs: list[NSConfig | None] = []
+    groups: Sequence[MutableMapping[str, Any]], checked: set[tuple[Any, ...]], settings: SettingsCache
+) -> tuple[list[Resolved], Exception | None]:
+    """Every group's settings, resolved (``validation.check_group``, normalizing its keys) where
+    they changed (``settings``), and ``check_switched`` of its parameters where the settings it
+    reads are new (``checked``: those already passed for this parameter set); the groups resolved
+    up to the first error caught (raised once every rank knows)."""
+    resolved: list[Resolved] = []
     for index, group in enumerate(groups):
         try:
-            configs.append(check_group(group))
+            entry = settings.resolve(index, group)
             lr = group["lr"]
             where = (lr.device, lr.dtype) if isinstance(lr, Tensor) else None
             key = (index, group["algorithm"], group.get("momentum_dtype"), group.get("capturable"), where)
             if key not in checked:
                 check_switched(group, param_names(group, index))
                 checked.add(key)
+            resolved.append(entry)
         except Exception as e:  # noqa: BLE001 - any local failure is raised on every rank
-            return configs, e
-    return configs, None
+            return resolved, e
+    return resolved, None
 
 
 def _reduce(

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..sharding.runtime.comm import simulated
+from ..sharding.runtime.comm import fake_refusal, simulated
 
 __all__ = ["PRIME", "StepScope", "agreed", "describe", "fingerprint", "scope_key", "shown", "step_scope"]
 
@@ -59,7 +59,7 @@ class StepScope:
     joins: bool  # this rank sums over the step group (it steps on a mesh, or the group was given)
     pieces: tuple[int, ...]  # the fingerprint's terms, one per seed, each in [0, PRIME)
     folded: int | None  # the index of the scope summed in the group's row (its ranks are the group's)
-    outside: str | None  # a scope reaching ranks outside the group: the local error's text
+    outside: str | None  # a scope reaching outside the group, or a fake one that would lie: the error
 
 
 def step_scope(scopes: Sequence[Any], group: Any, explicit: bool) -> StepScope:
@@ -71,15 +71,25 @@ def step_scope(scopes: Sequence[Any], group: Any, explicit: bool) -> StepScope:
     outside = next((k for k in keys if not set(k[4]) <= set(members)), None)
     folded = next((i for i, k in enumerate(keys) if sorted(k[4]) == sorted(members)), None)
     pieces = fingerprint(keys, rank)
-    if simulated(group):  # every rank of a fake group is this one: each holds its scopes, the sum is 0
+    why = _fake_scope(scopes, group)
+    if why is None and simulated(group):  # every rank of a fake world is this one: the sum is 0
         pieces = (0,) * len(_SEEDS)
-    why = None
-    if outside is not None:
+    if why is None and outside is not None:
         why = (
             f"a parameter lives on {_shown(outside)}, which reaches ranks outside the step group "
             f"(ranks {list(members)}); pass Muon(step_group=...) a group holding every rank of its meshes"
         )
     return StepScope(True, pieces, folded, why)
+
+
+def _fake_scope(scopes: Sequence[Any], group: Any) -> str | None:
+    """The refusal of a fake step group, mesh axis or DDP group of more than one rank in a real job
+    (``comm.fake_refusal``): its sums would lie, so it travels as this rank's local failure."""
+    named = [
+        (group, "step_group"),
+        *((s, "a parameter's mesh" if isinstance(s, DeviceMesh) else "process_group") for s in scopes),
+    ]
+    return next((r for scope, name in named if (r := fake_refusal(scope, name)) is not None), None)
 
 
 def fingerprint(keys: Sequence[tuple], rank: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..numerics.elementwise import ADJUST_LR
 from ..numerics.newton_schulz import NSConfig
-from ..numerics.ns_config import NS_DTYPES, ns_dtype_name, resolve_ns_config
-from ..sharding.plan.build import MODES, check_mode
+from ..numerics.ns_config import NS_DTYPES, NSSplit, ns_dtype_name, resolve_ns_config
+from ..sharding.plan.build import MODES, OWNERS, Owners, check_mode
 from .param_checks import check_params
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "check_adamw_group",
     "check_adamw_momentum_dtype",
     "check_algorithm",
-    "check_momentum_dtype_argument",
     "check_flags",
     "check_group",
     "check_mode",
@@ -49,10 +48,6 @@ __all__ = [
     "resolve_ns_config",
 ]
 
-# Where HSDP parameters find their owners (``optim/policy.py``).
-Owners = Literal["auto", "mesh", "replica"]
-OWNERS: tuple[str, ...] = get_args(Owners)
-NSSplit = Literal["off", "auto"] | int
 # float16: refused (momentum_dtype_name); int8: blockwise 8-bit with float32 block maxima (numerics/blockwise.py)
 MOMENTUM_DTYPES = ("bfloat16", "float32", "float64", "int8")
 
@@ -186,7 +181,9 @@ def check_split(group: Mapping[str, Any]) -> None:
 
 def momentum_dtype_name(dtype: Any) -> str | None:
     """``momentum_dtype`` as the name a param group stores: None (the parameter's dtype) or a
-    floating dtype's name from ``MOMENTUM_DTYPES``. float16 is refused: its range ends at 65,504,
+    dtype's name from ``MOMENTUM_DTYPES``. The dtype or its name is accepted wherever the value is
+    given (the constructor, a group's dict, a group later), as for ``ns_dtype``: the group stores
+    the name, so a value read from a group can be given back. float16 is refused: its range ends at 65,504,
     so momentum of gradients near that size overflows to inf with no error, and every parameter it
     touches turns NaN a few steps later; bfloat16 keeps float32's range in the same 2 bytes."""
     if dtype is None:
@@ -202,19 +199,10 @@ def momentum_dtype_name(dtype: Any) -> str | None:
         return name
     raise ValueError(
         f"momentum_dtype should be None (the parameter's dtype), torch.bfloat16, torch.float32, "
-        f"torch.float64 or torch.int8 but is: {dtype!r}; pass one of them (torch.bfloat16 halves the "
-        "momentum of float32 parameters, torch.int8 keeps a quarter of it in 8-bit blocks)"
+        f"torch.float64 or torch.int8 (or its name, e.g. 'bfloat16') but is: {dtype!r}; pass one of them "
+        "(torch.bfloat16 halves the momentum of float32 parameters, torch.int8 keeps a quarter of it in "
+        "8-bit blocks)"
     )
-
-
-def check_momentum_dtype_argument(value: Any, where: str = "Muon(momentum_dtype=...)") -> None:
-    """What a user passes is a ``torch.dtype`` or None: a string, an int or anything else raises
-    (groups store the name, but a name is no argument)."""
-    if value is not None and not isinstance(value, torch.dtype):
-        raise ValueError(
-            f"{where} should be a torch.dtype (torch.bfloat16, torch.float32, torch.float64, torch.int8) or None "
-            f"but is {value!r} ({type(value).__name__}); pass the dtype itself, e.g. torch.bfloat16"
-        )
 
 
 def _check_adjust_lr(fn: Any) -> None:
@@ -287,12 +275,14 @@ def normalize_group(group: MutableMapping[str, Any]) -> None:
             group[key] = name(group[key])
 
 
-def check_group(group: MutableMapping[str, Any]) -> NSConfig | None:
+def check_group(group: MutableMapping[str, Any], index: int | None = None) -> NSConfig | None:
     """A group's hyperparameters (a user or scheduler may change them between steps), normalized
-    first (``normalize_group``); a Muon group's Newton-Schulz config, None for AdamW."""
+    first (``normalize_group``); a Muon group's Newton-Schulz config, None for AdamW. ``index``
+    names the group in the refusal of an AdamW group's ``momentum_dtype``."""
     normalize_group(group)
     if group["algorithm"] == "adamw":
         check_adamw_group(group)
+        check_adamw_momentum_dtype(group, index)
         return None
     return check_muon_group(group)
 
@@ -316,23 +306,23 @@ def check_adamw_group(group: Mapping[str, Any]) -> None:
         raise ValueError("'normuon': True is an option of Muon groups; this group is an AdamW group")
 
 
-def check_adamw_momentum_dtype(group: Mapping[str, Any], index: int) -> None:
-    """An AdamW group's own ``"momentum_dtype"`` (not one inherited from the optimizer's default)
-    would promise moments it does not keep: they stay in the parameter's dtype."""
+def check_adamw_momentum_dtype(group: Mapping[str, Any], index: int | None) -> None:
+    """An AdamW group's ``"momentum_dtype"`` would promise moments it does not keep: they stay in
+    the parameter's dtype. ``Muon.add_param_group`` stores None there in place of the optimizer's
+    default, so any other value was set on the group: in its dict, or later (refused at the step)."""
     if group.get("algorithm") == "adamw" and group.get("momentum_dtype") is not None:
+        where = "a param group" if index is None else f"param group {index}"
         raise ValueError(
-            f"param group {index} is an AdamW group and sets 'momentum_dtype': "
+            f"{where} is an AdamW group and sets 'momentum_dtype': "
             f"{group['momentum_dtype']!r}, an option of Muon groups (AdamW keeps exp_avg and "
-            "exp_avg_sq in the parameter's dtype); remove the key from this group"
+            "exp_avg_sq in the parameter's dtype); remove the key from this group (or set it to None)"
         )
 
 
 def precheck_group(group: dict[str, Any], index: int) -> str:
     """``Muon.add_param_group``'s checks of the user's own dict, before torch adds the defaults: its
-    algorithm (returned) and, where it sets one, its ``momentum_dtype``."""
+    algorithm (returned) and, in an AdamW group, no ``momentum_dtype`` of its own."""
     check_adamw_momentum_dtype(group, index)
-    if "momentum_dtype" in group:  # the user's own value, not the stored default's name
-        check_momentum_dtype_argument(group["momentum_dtype"], f"param group {index}'s 'momentum_dtype'")
     return check_algorithm(group)
 
 
@@ -340,5 +330,5 @@ def admit_group(group: dict[str, Any], index: int, names: Sequence[str]) -> None
     """``Muon.add_param_group``'s local checks of group ``index`` (no collective): its flags, its
     settings (dtype names stored as names) and its parameters."""
     check_flags(group, index)
-    check_group(group)
+    check_group(group, index)
     check_params(group, names)

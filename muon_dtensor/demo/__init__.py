@@ -1,5 +1,5 @@
 """The main job: ``python -m muon_dtensor demo`` (``run``, training in ``train``, its ``report``,
-``progress`` and CPU probe ``cpu``); also the ``model``, ``data``, meshes (``parallel``), QK-Clip
+per-N-steps ``log`` line, ``progress`` and CPU probe ``cpu``); also the ``model``, ``data``, meshes (``parallel``), QK-Clip
 wiring (``qk_clip``, ``logits``) and the round-robin double (``round_robin``) that
 ``examples/train.py`` and the tests reuse. Row ``demo/`` of docs/design.md's layer table."""
 

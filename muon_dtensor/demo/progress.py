@@ -1,8 +1,9 @@
 """A text progress bar on stderr for work done in other processes.
 
-Rank 0 writes ``"step total"`` to a file after each step (``train._progress``); a thread of the
-parent process reads it and redraws the bar. On a terminal the bar redraws in place; otherwise (CI
-logs, pipes) only the finished line is printed.
+Rank 0 writes ``"step total"`` to a file after each step (``train._progress``) and appends its log
+lines (``log.log_line``) to ``<file>.log``; a thread of the parent process reads both, prints new log
+lines above the bar and redraws it. On a terminal the bar redraws in place; otherwise (CI logs,
+pipes) the log lines and the finished line are printed at the end.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ class Progress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._start = 0.0
+        self.log = Path(str(self.path) + ".log")
+        self._shown = 0  # log lines printed so far
 
     def __enter__(self) -> Progress:
         self.path.unlink(missing_ok=True)
+        self.log.unlink(missing_ok=True)
         sys.stdout.flush()  # what was printed before the bar comes before it
         self._start = time.monotonic()
         if self.live:
@@ -67,7 +71,18 @@ class Progress:
         filled = WIDTH * step // max(total, 1)
         return f"{self.label} |{'#' * filled}{' ' * (WIDTH - filled)}| {step}/{total} steps {elapsed:4.0f} s"
 
+    def _new_log_lines(self) -> list[str]:
+        try:
+            lines = self.log.read_text().splitlines(keepends=True)
+        except OSError:
+            return []
+        complete = [line.rstrip("\n") for line in lines if line.endswith("\n")]
+        new, self._shown = complete[self._shown :], len(complete)
+        return new
+
     def _draw(self, *, end: str) -> None:
-        prefix = "\r" if self.live else ""
-        self.stream.write(prefix + self.line() + end)
+        prefix = "\r\033[K" if self.live else ""
+        for line in self._new_log_lines():
+            self.stream.write(f"{prefix}  {line}\n")
+        self.stream.write(("\r" if self.live else "") + self.line() + end)
         self.stream.flush()

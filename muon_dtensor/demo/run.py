@@ -38,6 +38,7 @@ __all__ = ["main"]
 
 BATCH = 16  # sequences per step (rounded up to a multiple of the micro-batch count)
 TIMEOUT = 600.0  # seconds per run of ranks
+LOG_EVERY = 10  # steps between the ranks' log lines (loss, tok/s, grad norm, lr, memory: demo/log.py)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,6 +111,7 @@ def _base(args: argparse.Namespace, optimizer: str, ns_dtype: str) -> RunSpec:
         save_at=save_at,
         crash_at=min(save_at + 2, args.steps),
         progress=str(args.out / ".progress"),
+        log_every=LOG_EVERY,
         ns_dtype=ns_dtype,
         qk_clip=args.qk_clip,
         normuon=getattr(args, "normuon", False) and optimizer == "muon_dtensor",

@@ -27,6 +27,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 
 from .data import corpus, micro_batches, tokens
+from .log import grad_norm, log_line
 from .model import ModelConfig, TinyLM
 from .parallel import build_mesh, data_parallel, demo_shape, device_type, shard_model
 from .qk_clip import StepClip
@@ -58,6 +59,7 @@ class RunSpec:
     normuon: bool = False  # --normuon: NorMuon in the Muon groups (muon_dtensor only)
     model: ModelConfig = field(default_factory=ModelConfig)
     qk_clip: float | None = None  # QK-Clip threshold after every step (``--qk-clip``), or None
+    log_every: int | None = None  # rank 0 logs a line (``log.log_line``) every this many steps
 
 
 class ShardedSession:
@@ -137,9 +139,14 @@ def my_micro_batches(
 
 
 def train_step(
-    session: ShardedSession | RoundRobinSession, data: torch.Tensor, step: int, spec: RunSpec
+    session: ShardedSession | RoundRobinSession,
+    data: torch.Tensor,
+    step: int,
+    spec: RunSpec,
+    norms: dict[int, float] | None = None,
 ) -> float:
-    """One optimizer step on this rank's share of the micro-batches; returns the global mean loss."""
+    """One optimizer step on this rank's share of the micro-batches; returns the global mean loss.
+    With ``norms``: the global gradient norm before the step in ``norms[step]`` (collective)."""
     # Both sessions end with the sum over all micro-batches of grad / micro_batches (FSDP divides by
     # the data-parallel size itself; with power-of-two sizes every scaling is exact).
     scale = (1 if session.sums_gradients else session.dp_size) / spec.micro_batches
@@ -148,6 +155,8 @@ def train_step(
         loss = session.model.loss(tokens_)  # type: ignore[operator]
         (loss * scale).backward()
         losses.append(loss.detach().float().cpu())
+    if norms is not None:
+        norms[step] = grad_norm(session.model.parameters())
     session.update()
     mine = torch.stack(losses)
     everyone = [torch.empty_like(mine) for _ in range(session.dp_size)]
@@ -173,6 +182,35 @@ def _progress(path: str | None, step: int, total: int) -> None:
         os.replace(path + ".part", path)
 
 
+def _logs(spec: RunSpec, step: int, start: int) -> bool:
+    """A logging step (muon_dtensor's sessions only): the first after the start, every
+    ``log_every``-th, the last."""
+    every = spec.log_every
+    return every is not None and every > 0 and (step == start + 1 or step % every == 0 or step == spec.steps)
+
+
+def _tokens(spec: RunSpec) -> int:
+    return spec.micro_batches * spec.micro_size * spec.model.seq  # the global batch's tokens
+
+
+def _log(
+    session: ShardedSession,
+    spec: RunSpec,
+    step: int,
+    out: dict[str, Any],
+    norm: float,
+    rate: float,
+) -> None:
+    """Rank 0: the log line into ``out["log"]`` and, for the parent's progress bar, ``<progress>.log``."""
+    if dist.get_rank() != 0:
+        return
+    line = log_line(step, spec.steps, out["losses"][step], rate, norm, session.opt, device_type())
+    out.setdefault("log", []).append(line)
+    if spec.progress:
+        with open(spec.progress + ".log", "a") as f:
+            f.write(line + "\n")
+
+
 def _record(session: ShardedSession | RoundRobinSession, out: dict[str, Any], step: int) -> None:
     full = session.full_params()  # collective
     if dist.get_rank() == 0:
@@ -193,10 +231,18 @@ def train(spec: RunSpec) -> dict[str, Any] | None:
     if record_from is not None and record_from <= start:
         _record(session, out, start)
     clip = None if spec.qk_clip is None else StepClip(session.model, spec.qk_clip)
+    clock, since = time.perf_counter(), start
     for step in range(start + 1, spec.steps + 1):
         if clip is not None:
             clip.start()
-        out["losses"][step] = train_step(session, data, step, spec)
+        norms: dict[int, float] | None = (
+            {} if isinstance(session, ShardedSession) and _logs(spec, step, start) else None
+        )
+        out["losses"][step] = train_step(session, data, step, spec, norms)
+        if norms is not None and isinstance(session, ShardedSession):
+            seconds, clock = time.perf_counter() - clock, time.perf_counter()
+            _log(session, spec, step, out, norms[step], (step - since) * _tokens(spec) / seconds)
+            since = step
         if clip is not None:
             out.setdefault("qk_clip", {})[step] = clip.finish(my_micro_batches(session, data, step, spec))
         if record_from is not None and step >= record_from:

@@ -242,6 +242,14 @@ def _scope_of(q: object, group: dist.ProcessGroup | None) -> Scope:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
+def _fake_mesh(layers: list[_Layer]) -> ValueError | None:
+    """A weight on a mesh with a fake axis of several ranks in a real job: its max would be this
+    rank's alone (``comm.fake_refusal``)."""
+    meshes = [(layer.q.device_mesh, layer.where) for layer in layers if isinstance(layer.q, DTensor)]
+    why = next((r for m, w in meshes if (r := comm.fake_refusal(m, f"{w}q_weight's mesh")) is not None), None)
+    return None if why is None else ValueError(why)
+
+
 def _max(values: Tensor, scope: Scope, device_type: str) -> Tensor:
     if isinstance(scope, DeviceMesh):
         return comm.max_over_mesh(values, scope)
@@ -260,7 +268,7 @@ def _clip(
         agree_group(fn, "process_group", failed, key, "No weight changed")
     layers, error = _prepare(fn, items, head_dim, threshold, alpha)
     together.raise_together(
-        error or unnamed,
+        error or unnamed or _fake_mesh(layers),
         group,
         fn,
         _arguments(layers, head_dim, threshold, alpha, group is not None),

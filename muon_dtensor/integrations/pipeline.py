@@ -31,7 +31,13 @@ def keep_prefixes(model: nn.Module, prefixes: Sequence[str]) -> nn.Module:
     deleted, any other child set to None (the model's forward skips None). Names stay the whole
     model's (``layers.2.*`` stays ``layers.2.*``). A ``ModuleList`` cannot lose an entry without
     renumbering the rest: ValueError naming it (hold the blocks in a ``ModuleDict``, as torchtitan
-    does). ValueError too for a prefix that names no submodule."""
+    does). ValueError too for a prefix that names no submodule, and for ``""`` (the whole model:
+    nothing to cut)."""
+    if "" in prefixes:
+        raise ValueError(
+            'prefixes holds "", which names the whole model, not a submodule to keep; pass the '
+            "submodules this stage keeps (even_prefixes), or do not call keep_prefixes to keep all"
+        )
     names = {name for name, _ in model.named_modules()}
     missing = [p for p in prefixes if p not in names]
     if missing:
@@ -70,8 +76,10 @@ def even_prefixes(
     """Each stage's prefixes for ``layers`` blocks named ``<blocks>.<i>`` split evenly into ``stages``:
     ``first`` (the embedding) joins stage 0, ``last`` (the norm, the head) the last stage, ``every``
     (modules without parameters each stage needs: a rotary embedding) each stage."""
-    if stages < 1 or layers % stages:
-        raise ValueError(f"layers {layers} should be a multiple of stages {stages}")
+    if type(stages) is not int or stages < 1:
+        raise ValueError(f"stages should be an int of at least 1 but is {stages!r}")
+    if type(layers) is not int or layers < 1 or layers % stages:
+        raise ValueError(f"layers should be a positive multiple of stages {stages} but is {layers!r}")
     per = layers // stages
     out = [[f"{blocks}.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
     out[0] = [*first, *out[0]]

@@ -239,6 +239,10 @@ def buckets(
         return
     cpu = groups[0][0].device.type == "cpu"
     limit = cpu_pieces * CPU_PIECE_ELEMENTS if cpu else BUCKET_ELEMENTS
+    sizes = [t.numel() for t in groups[0]]
+    if not cpu or max(sizes) <= limit:  # no tensor is cut: the same buckets, as runs of whole tensors
+        yield from _runs(groups, sizes, limit)
+        return
     index: list[int] = []
     bucket: list[list[Tensor]] = [[] for _ in groups]
     size = 0
@@ -258,6 +262,21 @@ def buckets(
             size += part[0].numel()
     if index:
         yield index, bucket
+
+
+def _runs(
+    groups: Sequence[Sequence[Tensor]], sizes: list[int], limit: int
+) -> Iterator[tuple[list[int], list[list[Tensor]]]]:
+    """``buckets`` where no tensor is cut: each bucket a run of whole tensors, sliced from the
+    lists rather than built element by element (a host cost per tensor per pass on a step of
+    thousands of small matrices)."""
+    start, size = 0, 0
+    for i, n in enumerate(sizes):
+        if size and size + n > limit:
+            yield list(range(start, i)), [list(g[start:i]) for g in groups]
+            start, size = i, 0
+        size += n
+    yield list(range(start, len(sizes))), [list(g[start:]) for g in groups]
 
 
 def empty_like_all(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[Tensor]:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from .newton_schulz import ALGORITHMS, AOL_PRESETS, PRESET_STEPS, PRESETS, NSConfig, Triple
 
-__all__ = ["ALGORITHM_NOTES", "NS_DTYPES", "ns_dtype_name", "resolve_ns_config"]
+__all__ = ["ALGORITHM_NOTES", "NS_DTYPES", "NSSplit", "ns_dtype_name", "resolve_ns_config"]
+
+# ``ns_split``: Newton-Schulz of one matrix over several ranks: "off", "auto" (the cost model decides,
+# ``optim/policy.py``) or a number of ranks.
+NSSplit = Literal["off", "auto"] | int
 
 # The Newton-Schulz dtypes by the name a param group stores (plain data in ``state_dict``).
 NS_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}

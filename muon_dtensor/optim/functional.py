@@ -71,6 +71,7 @@ class MuonHyper:
     normuon: bool = False
     beta2: float = DEFAULT_BETA2
     _scaled: dict[float, Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _factors: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> MuonHyper:
@@ -83,10 +84,18 @@ class MuonHyper:
         normuon = bool(group.get("normuon", False))
         return replace(hyper, normuon=normuon, beta2=float(group.get("beta2", DEFAULT_BETA2)))
 
-    def adjusted(self, shape: Sequence[int]) -> float | Tensor:
+    def factor(self, shape: tuple[int, int]) -> float:
+        """``adjust_lr``'s factor for a matrix of global ``shape``, computed once per shape (the
+        optimizer keeps a group's ``MuonHyper`` while its settings are unchanged)."""
+        factor = self._factors.get(shape)
+        if factor is None:
+            factor = self._factors[shape] = adjust_lr(1.0, self.adjust_lr_fn, shape)
+        return factor
+
+    def adjusted(self, shape: tuple[int, int]) -> float | Tensor:
         """``adjust_lr`` for a matrix of global ``shape``: ``lr * factor``, one device scalar per
         factor with a tensor lr (shapes that share a factor share it)."""
-        factor = adjust_lr(1.0, self.adjust_lr_fn, shape)
+        factor = self.factor(shape)
         if not isinstance(self.lr, Tensor):
             return self.lr * factor
         if factor not in self._scaled:
@@ -251,10 +260,10 @@ def _finalize(
 ) -> None:
     """This rank's pieces of a round's results: whole-matrix parameters updated now, the others
     scaled and placed into their update."""
-    lrs = [hyper.adjusted(pairs[k][1].matrix_shape) for k in members]
+    shapes = [pairs[k][1].matrix_shape for k in members]
+    lrs = [hyper.adjusted(shape) for shape in shapes]
     if stats is not None:
-        factors = [adjust_lr(1.0, hyper.adjust_lr_fn, pairs[k][1].matrix_shape) for k in members]
-        _record_update(stats, results, factors, hyper.lr)
+        _record_update(stats, results, [hyper.factor(shape) for shape in shapes], hyper.lr)
     now = [i for i, k in enumerate(members) if pairs[k][0] not in assembled]
     later = [i for i, k in enumerate(members) if pairs[k][0] in assembled]
     apply_results(

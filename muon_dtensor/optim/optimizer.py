@@ -16,7 +16,7 @@ from ..checks import validation
 from ..checks.group_identity import agree_step_group
 from ..checks.step_checks import StepChecks
 from ..checks.together import refuse_after_failure
-from ..checks.validation import NSSplit, Owners
+from ..checks.wrong_matrix import WrongMatrixScan
 from ..numerics.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     NSAlgorithm,
@@ -25,7 +25,8 @@ from ..numerics.newton_schulz import (
     orthogonalize,
 )
 from ..numerics.normuon import DEFAULT_BETA2
-from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode
+from ..numerics.ns_config import NSSplit
+from ..sharding.plan.build import DEFAULT_ROUND_BYTES, Mode, Owners
 from ..sharding.plan.domains import ViewOptions
 from ..sharding.plan.param_layout import local_grad, local_of
 from ..sharding.runtime.comm import CommStats
@@ -51,8 +52,6 @@ __all__ = ["ADAMW_DEFAULTS", "Muon"]
 
 # torch.optim.AdamW's defaults, used by groups with "algorithm": "adamw" for keys they leave out.
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-# torch.optim.Muon's arguments, in its order; then ours.
-_TORCH_KEYS = "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn".split()  # noqa: SIM905
 _VIEW_DEFAULTS: dict[str, Any] = {"flatten": False, "experts": False, "split_sizes": None, "head_dim": None}
 # NorMuon (arXiv 2510.05491), off by default; beta2 is the official implementation's default.
 _NORMUON_DEFAULTS: dict[str, Any] = {"normuon": False, "beta2": DEFAULT_BETA2}
@@ -86,7 +85,7 @@ class Muon(report.Reports, Optimizer):
         adjust_lr_fn: str | float | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
-        momentum_dtype: torch.dtype | None = None,
+        momentum_dtype: torch.dtype | str | None = None,
         ns_algorithm: NSAlgorithm = "standard",
         mode: Mode = "owner",
         process_group: ProcessGroup | None = None,
@@ -98,13 +97,28 @@ class Muon(report.Reports, Optimizer):
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
         error: Exception | None = None
+        self._wrong_matrices = WrongMatrixScan(params)  # before the generator is read (api.md)
         try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
-            values = (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
-            options: dict[str, Any] = dict(
-                ns_algorithm=ns_algorithm, mode=mode, max_round_bytes=max_round_bytes
+            defaults = _muon_defaults(
+                {
+                    "lr": lr,
+                    "weight_decay": weight_decay,
+                    "momentum": momentum,
+                    "nesterov": nesterov,
+                    "ns_coefficients": ns_coefficients,
+                    "eps": eps,
+                    "ns_steps": ns_steps,
+                    "adjust_lr_fn": adjust_lr_fn,
+                    "ns_algorithm": ns_algorithm,
+                    "mode": mode,
+                    "max_round_bytes": max_round_bytes,
+                    "owners": owners,
+                    "ns_split": ns_split,
+                    "capturable": capturable,
+                    "ns_dtype": ns_dtype,
+                    "momentum_dtype": momentum_dtype,
+                }
             )
-            options.update(owners=owners, ns_split=ns_split, capturable=capturable, ns_dtype=ns_dtype)
-            defaults = _muon_defaults(values, momentum_dtype, options)
             validation.check_process_group(process_group)
             validation.check_step_group(step_group)
             self._process_group = process_group
@@ -113,20 +127,27 @@ class Muon(report.Reports, Optimizer):
             self._plans = PlanCache()
             self._walks = StateWalks()
             self._params: dict[int, list[Tensor]] = {}  # each group's parameters as last seen
+            self._hypers: dict[int, tuple[Any, MuonHyper]] = {}  # per group: (its resolved settings, hyper)
             self.comm_stats = CommStats()
             super().__init__(params, defaults)
         except Exception as e:
             if step_group is None:
+                self._wrong_matrices.close()
                 raise
             error = e
+        self._wrong_matrices.close()
         if step_group is not None:  # collective over the default group: every rank passes one
             agree_step_group(step_group, getattr(self, "param_groups", []), process_group, error)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if validation.precheck_group(param_group, len(self.param_groups)) == "adamw":
             param_group.update({k: v for k, v in ADAMW_DEFAULTS.items() if k not in param_group})
+            # not the optimizer's default: AdamW's moments keep the parameter's dtype, and any
+            # other value set later is refused at the step (``check_adamw_momentum_dtype``)
+            param_group["momentum_dtype"] = None
         super().add_param_group(param_group)
         group, index = self.param_groups[-1], len(self.param_groups) - 1
+        self._wrong_matrices.add(group, param_names(group, index))  # local; warns, never raises
         try:  # local checks only: collectives wait for the first step, once every rank agrees
             validation.admit_group(group, index, param_names(group, index))
         except Exception:
@@ -186,6 +207,9 @@ class Muon(report.Reports, Optimizer):
 
         return self._plans.sharding(index, group, generation, build, keep=not local)
 
+    def _hyper(self, index: int, group: dict[str, Any]) -> MuonHyper:
+        return _kept_hyper(self._hypers, index, group, self._checks.resolved[index])
+
     def _muon_step(self, index: int, group: dict[str, Any], todo: list[int], config: NSConfig) -> None:
         params = [group["params"][i] for i in todo]
         muon_step(
@@ -193,7 +217,7 @@ class Muon(report.Reports, Optimizer):
             [local_grad(p) for p in params],
             [local_of(self.state[p][MOMENTUM]) for p in params],
             self._plans.domains(index, group, todo),
-            MuonHyper.of(group),
+            self._hyper(index, group),
             config,
             self.comm_stats,
             second_moments=[local_of(self.state[p][SECOND_MOMENT]) for p in params]
@@ -206,15 +230,29 @@ class Muon(report.Reports, Optimizer):
         )
 
 
-def _muon_defaults(
-    values: tuple, momentum_dtype: torch.dtype | None, options: dict[str, Any]
-) -> dict[str, Any]:
-    """The constructor's defaults: torch.optim.Muon's keys (``values`` in their order), ours, the
-    dtypes as names (``validation``'s one normalization); checked as a Muon group."""
-    validation.check_momentum_dtype_argument(momentum_dtype)
-    defaults = dict(zip(_TORCH_KEYS, values), **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS, **options)
+def _kept_hyper(
+    hypers: dict[int, tuple[Any, MuonHyper]], index: int, group: dict[str, Any], resolved: Any
+) -> MuonHyper:
+    """Group ``index``'s ``MuonHyper``, kept while its resolved settings are the same object (the
+    checks resolve them again only when a value changed). A tensor lr's is made every step: its
+    device copy must be taken at each step (a CUDA graph captures the step that takes it)."""
+    kept = hypers.get(index)
+    if kept is not None and kept[0] is resolved:
+        return kept[1]
+    hyper = MuonHyper.of(group)
+    if isinstance(hyper.lr, Tensor):
+        hypers.pop(index, None)
+    else:
+        hypers[index] = (resolved, hyper)
+    return hyper
+
+
+def _muon_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's defaults: its arguments, the options only a param group sets (views,
+    NorMuon), the dtypes as names (``validation``'s one normalization); checked as a Muon group."""
+    defaults = {**given, **_VIEW_DEFAULTS, **_NORMUON_DEFAULTS}
     defaults["ns_dtype"] = validation.ns_dtype_name(defaults["ns_dtype"])
-    defaults["momentum_dtype"] = validation.momentum_dtype_name(momentum_dtype)
+    defaults["momentum_dtype"] = validation.momentum_dtype_name(defaults["momentum_dtype"])
     validation.check_muon_group(defaults)
     return defaults
 

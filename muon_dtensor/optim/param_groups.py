@@ -13,9 +13,9 @@ from typing import Any
 from torch import nn
 
 from ..base.names import (
-    _NOT_HEADS,
     DEFAULT_HEAD_NAMES,
     DEFAULT_QKV_NAMES,
+    NOT_HEAD_NAMES,
     matches,
     module_of,
     strip_wrappers,
@@ -127,7 +127,7 @@ def _take_heads(
             "projections, e.g. qkv=('q', 'k', 'v')"
         )
     owners = _owners(model)
-    wrong = [n for n, _ in heads if module_of(n) in _NOT_HEADS or owners.get(n) == "Conv1D"]
+    wrong = [n for n, _ in heads if module_of(n) in NOT_HEAD_NAMES or owners.get(n) == "Conv1D"]
     if wrong:
         raise ValueError(
             f"split_params: head_dim={head_dim} would cut matrices whose rows are not attention heads "

@@ -12,9 +12,13 @@ another one, so each environment gets its own (the two newest are kept). Only th
 reuses one: a launcher dies with the thread that started it (``PR_SET_PDEATHSIG``), and a launch
 from another thread, or while the launcher is busy, gets a launcher of its own for that launch.
 
-A kept launcher serves a launch only while what it imported still holds: the files of the
-muon_dtensor modules it imported are unchanged (same size and modification time) and the caller's
-umask is the one it started under (the ranks' files take it); otherwise a fresh one starts. A
+A kept launcher serves a launch only while what it imported still holds: the package's source files
+are unchanged (same size and modification time, read by the caller before the launcher started, so
+an edit made while it imported counts) and the caller's umask is the one it started under (the
+ranks' files take it); otherwise a fresh one starts. A source file changed since the last launch
+also loses its cached bytecode: Python trusts a ``.pyc`` whose recorded size and whole-second
+modification time match, so an edit of the same size within the same second would otherwise run
+the old code in the fresh launcher and in every rank. A
 launcher runs in a session of its own, so a Ctrl-C at the terminal reaches the caller alone, which
 kills the launch's launcher, and with it every rank (``run_ranks``); a rank's stdin is /dev/null.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -86,6 +91,7 @@ def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
     """Fork ``world_size`` ranks running ``spec`` (see ``rank.worker``) from a launcher that
     imported torch with ``env``: this process's kept one where it can, else one for this launch."""
     request = json.dumps([spec, world_size, tmp, env, os.getcwd()]) + "\n"
+    _forget_changed_bytecode()
     if threading.current_thread() is threading.main_thread():
         server = _server(env)
         if server is not None:
@@ -97,6 +103,7 @@ def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
             except (BrokenPipeError, ValueError):  # it died since: a launcher for this launch
                 _drop(server)
     once = _start(env)
+    _STAMPS.pop(once.pid, None)  # it serves this launch only: never asked whether it is stale
     assert once.stdin is not None
     once.stdin.write(request.encode())
     once.stdin.close()  # it serves this launch only
@@ -105,7 +112,10 @@ def launch(spec: str, world_size: int, tmp: str, env: dict[str, str]) -> Launch:
 
 _SERVERS: dict[tuple[tuple[tuple[str, str], ...], int], subprocess.Popen] = {}  # newest last
 _BUSY: set[int] = set()  # the pids of kept launchers with a launch in flight
-_STAMPS: dict[int, list[tuple[str, int, int]]] = {}  # launcher pid -> what it imported (``stamp``)
+_STAMPS: dict[int, dict[str, tuple[int, int]]] = {}  # launcher pid -> ``sources()`` before it started
+_READY: set[int] = set()  # launchers whose first line (their imports done) was read
+_SEEN: dict[str, tuple[int, int]] = {}  # ``sources()`` at the last launch
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _server(env: dict[str, str]) -> subprocess.Popen | None:
@@ -126,11 +136,15 @@ def _server(env: dict[str, str]) -> subprocess.Popen | None:
 
 def _start(env: dict[str, str]) -> subprocess.Popen:
     """A launcher that imports under ``env`` and serves the requests written to its input; its first
-    line of output is its ``stamp``. In a session of its own: a terminal's Ctrl-C is the caller's."""
+    line of output is its ``stamp``. In a session of its own: a terminal's Ctrl-C is the caller's.
+    The package's sources are read before it starts: any later edit makes it stale."""
+    before = sources()
     command = [sys.executable, "-m", __name__, str(os.getpid())]
-    return subprocess.Popen(
+    server = subprocess.Popen(
         command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
     )
+    _STAMPS[server.pid] = before
+    return server
 
 
 def stamp() -> list[tuple[str, int, int]]:
@@ -145,23 +159,41 @@ def stamp() -> list[tuple[str, int, int]]:
     return sorted(found)
 
 
+def sources(package: Path = _PACKAGE) -> dict[str, tuple[int, int]]:
+    """The size and modification time (ns) of every ``.py`` file under ``package``, read now."""
+    found = {}
+    for path in package.rglob("*.py"):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            found[str(path)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def forget_bytecode(files: list[str]) -> None:
+    """Remove the cached bytecode of ``files``, so the next import compiles their source."""
+    for file in files:
+        with contextlib.suppress(OSError, ValueError, NotImplementedError):
+            os.remove(importlib.util.cache_from_source(file))
+
+
+def _forget_changed_bytecode() -> None:
+    """Before a launch: the bytecode of every source changed since the last launch is removed."""
+    now = sources()
+    if _SEEN:
+        forget_bytecode([f for f, seen in now.items() if _SEEN.get(f) != seen])
+    _SEEN.clear()
+    _SEEN.update(now)
+
+
 def _stale(server: subprocess.Popen) -> bool:
-    """Whether a file ``server`` imported changed since (its ``stamp``, read once: it wrote it before
-    serving its first launch, which has ended)."""
-    if server.pid not in _STAMPS:
+    """Whether a source file changed since ``server`` started, or it died before serving (its first
+    line, written once its imports were done, is read once: its first launch has ended)."""
+    if server.pid not in _READY:
         assert server.stdout is not None
-        line = server.stdout.readline()
-        _STAMPS[server.pid] = [tuple(f) for f in json.loads(line)] if line else []
-        if not line:  # it died before serving
+        if not server.stdout.readline():  # it died before serving
             return True
-    for file, size, mtime in _STAMPS[server.pid]:
-        try:
-            st = os.stat(file)
-        except OSError:
-            return True
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            return True
-    return False
+        _READY.add(server.pid)
+    return sources() != _STAMPS.get(server.pid)
 
 
 def umask() -> int:
@@ -180,6 +212,7 @@ def _drop(server: subprocess.Popen) -> None:
         del _SERVERS[key]
     _BUSY.discard(server.pid)
     _STAMPS.pop(server.pid, None)
+    _READY.discard(server.pid)
     with contextlib.suppress(OSError, ValueError):
         server.stdin.close()  # type: ignore[union-attr]
     with contextlib.suppress(OSError, ValueError):

@@ -1,16 +1,4 @@
 """Tools for users: the resume check (``resume_check``, its report ``resume_report``) and the
 topology check, ``plan --check`` (``topology``, over the model ``configs`` it reads), and the
-rehearsal, ``plan --rehearse`` (``rehearse``: one rank's real step on the fake backend). ``testing``,
-``launcher`` and ``rank`` are the old paths of ``muon_dtensor.testing``, kept for one release. Row
+rehearsal, ``plan --rehearse`` (``rehearse``: one rank's real step on the fake backend). Row
 ``tools/`` of docs/design.md's layer table."""
-
-from ..base.moved import keep_old_paths
-
-keep_old_paths(
-    __name__,
-    {
-        "testing": "muon_dtensor.testing.runner",
-        "launcher": "muon_dtensor.testing.launcher",
-        "rank": "muon_dtensor.testing.rank",
-    },
-)  # 0.6

@@ -5,7 +5,11 @@ on a mesh of their own, once saved without error: DCP keeps one tensor per key, 
 stage 0's weights and momentum (with other shapes, only the load refused). The save now refuses on
 every rank, naming the FQN and the ranks, before anything is written. What must keep saving: a plain
 parameter replicated over data-parallel ranks, FSDP shards of one parameter, FSDP with per-rank
-buffers (pipeline stages with global FQNs: tests/test_pipeline_checkpoint*.py)."""
+buffers (pipeline stages with global FQNs: tests/test_pipeline_checkpoint*.py).
+
+Issue 49 item 3: two stages with equal weights and different momentum (a warmup's first step at lr
+0) saved silently, since a plain parameter was fingerprinted by its values alone, and a load mixed
+the momenta. Its optimizer entries now join the fingerprint."""
 
 from __future__ import annotations
 
@@ -36,9 +40,12 @@ class Stage(nn.Module):
         return self.blocks(x)
 
 
+_SAME_WEIGHTS = ("replicas", "fsdp", "ddp replicas", "equal weights")
+
+
 def _stage(case: str) -> nn.Module:
     rank = dist.get_rank()
-    torch.manual_seed(0 if case in ("replicas", "fsdp") else rank)  # stages hold their own weights
+    torch.manual_seed(0 if case in _SAME_WEIGHTS else rank)  # stages hold their own weights
     model = Stage(8 + 4 * rank if case == "other shapes" else 8)
     if case == "per-stage meshes":
         fully_shard(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))["dp"])
@@ -50,9 +57,13 @@ def _stage(case: str) -> nn.Module:
 
 def save_stages(folder: str, case: str, asynchronous: bool) -> tuple[str, str, list[str]]:
     """Rank function: (error type, message, files under the root afterwards)."""
-    model = _stage(case)
-    opt = Muon(model.parameters(), lr=0.02)
-    model(torch.ones(2, 8 + 4 * dist.get_rank() if case == "other shapes" else 8)).sum().backward()
+    model, rank = _stage(case), dist.get_rank()
+    ddp = dist.group.WORLD if case == "ddp replicas" else None
+    # "equal weights": a first step at lr 0 (a warmup's) on each stage's own data: the weights stay
+    # equal, the momenta differ
+    opt = Muon(model.parameters(), lr=0.0 if case == "equal weights" else 0.02, process_group=ddp)
+    data = torch.ones(2, 8 + 4 * rank if case == "other shapes" else 8)
+    model(data * (1 + rank) if case == "equal weights" else data).sum().backward()
     opt.step()
     root = Path(folder) / case.replace(" ", "_")
     try:
@@ -69,7 +80,7 @@ def save_stages(folder: str, case: str, asynchronous: bool) -> tuple[str, str, l
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
-@pytest.mark.parametrize("case", ["plain stages", "per-stage meshes", "other shapes"])
+@pytest.mark.parametrize("case", ["plain stages", "per-stage meshes", "other shapes", "equal weights"])
 def test_stages_with_local_names_are_refused_on_every_rank(
     tmp_path: Path, case: str, asynchronous: bool
 ) -> None:
@@ -80,9 +91,11 @@ def test_stages_with_local_names_are_refused_on_every_rank(
     assert "'blocks.0.weight' is held by ranks that are not replicas of one mesh" in message, message
     assert "rank(s) [0]" in message and "rank(s) [1]" in message, message
     assert all(not files for *_, files in results), results  # nothing written
+    if case == "equal weights":  # told apart by the momentum alone
+        assert "momentum_buffer" in message, message
 
 
-@pytest.mark.parametrize("case", ["replicas", "fsdp"])
+@pytest.mark.parametrize("case", ["replicas", "fsdp", "ddp replicas"])
 def test_replicas_and_shards_of_one_parameter_still_save(tmp_path: Path, case: str) -> None:
     results: list[Any] = run_ranks(save_stages, 2, str(tmp_path), case, False, timeout=120)
     assert all(kind == "no error" for kind, _, _ in results), results

@@ -130,3 +130,18 @@ def test_zero_size_matrix_steps_as_torch_does() -> None:
     Muon([ours]).step()
     torch.optim.Muon([theirs]).step()
     assert ours.shape == theirs.shape and set(Muon([ours]).state[ours]) == {"momentum_buffer"}
+
+
+def test_an_explanation_over_a_gather_that_moved_nothing_says_so() -> None:
+    """Issue 49 item 7: over a size-2 fake axis the gather hands back this rank's entries for both
+    ranks, and the text said "ranks that agree: [0, 1]" of ranks it had never heard from."""
+    from muon_dtensor.checks.agreement import explain
+
+    entry: Any = [(0, (("lr", 0.02),), ())]
+    other: Any = [(0, (("lr", 0.03),), ())]
+    with pytest.raises(ValueError) as caught:
+        explain("the mesh", entry, {0: entry, 1: entry})
+    text = str(caught.value)
+    assert "ranks that agree" not in text and "are all this rank's" in text and "[0, 1]" in text, text
+    with pytest.raises(ValueError, match=r"'lr': 0.02 vs 0.03 \(ranks that agree: \[0\] \| \[1\]\)"):
+        explain("the mesh", entry, {0: entry, 1: other})

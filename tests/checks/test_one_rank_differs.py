@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
+from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
 from muon_dtensor.sharding.plan import grid
 from tests.harness import background
 from tests.harness.ranks import run_ranks
@@ -84,12 +85,16 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("Muon", "step_group", "every rank's group", "a group without this rank"),
     ("Muon", "step_group", "every rank's group", "a group of this rank alone"),
     ("Muon", "step_group", "every rank's group", "another group of the same ranks"),
+    # a fake step group in a real job: its sums would hand each rank its own row (issue 49 item 4)
+    ("Muon", "step_group", "every rank's group", "a fake group of every rank"),
     # the checkpoint helpers
     ("save_checkpoint", "step", 5, 6),
     ("save_checkpoint", "keep_last", None, 1),
     ("save_checkpoint", "extra", {"data": 1}, {"data": 2}),
     ("save_checkpoint", "root", "ckpt", "other"),
     ("save_checkpoint", "optimizer", "Muon", None),
+    # plain replicas with equal weights, one rank's momentum another (issue 49 item 3)
+    ("save_checkpoint", "momentum (plain, equal weights)", "the same data", "other data"),
     ("async_save_checkpoint", "step", 5, 6),
     ("async_save_checkpoint", "extra", {"data": 1}, {"data": [1]}),
     ("load_checkpoint", "step", 1, None),
@@ -98,6 +103,10 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("load_checkpoint", "root", "ckpt", "other"),
     ("load_safetensors", "strict", True, False),
     ("load_safetensors", "folder", "hf", "empty"),
+    # clip_grad_norm_stages_ (pipeline clipping): the arguments, a bad value on one rank
+    ("clip_grad_norm_stages_", "max_norm", 1.0, 2.0),
+    ("clip_grad_norm_stages_", "norm_type", 2.0, float("inf")),
+    ("clip_grad_norm_stages_", "max_norm (bad)", 1.0, -1.0),
 ]
 
 
@@ -223,20 +232,42 @@ def _qk_clip_all(env: Env, arg: str, value: Any) -> None:
 
 def _muon(env: Env, arg: str, value: Any) -> None:
     """``Muon(step_group=...)`` built and stepped; every rank makes every group (new_group is collective)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
     world, last = list(range(dist.get_world_size())), dist.get_world_size() - 1
     everyone, first, alone, again = (
         dist.new_group(world), dist.new_group([0]), dist.new_group([last]), dist.new_group(world)
     )  # fmt: skip
+    fake = dist.new_group(world, backend="fake")
     group = {
         "every rank's group": everyone,
         "a group without this rank": first,
         "a group of this rank alone": alone,
         "another group of the same ranks": again,
+        "a fake group of every rank": fake,
     }[value]
     Muon(split_params(env.model), lr=0.02, step_group=group).step()
 
 
+def _plain_replica(data: str) -> tuple[nn.Module, Muon]:
+    """A plain (unsharded) Net on this rank and its optimizer after a step at lr 0 on ``data``: the
+    weights stay the seed's, the momentum is the data's."""
+    torch.manual_seed(0)
+    model = build(None)
+    opt = Muon(split_params(model), lr=0.0)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    torch.manual_seed(1 if data == "the same data" else 2)
+    model(torch.randint(0, 11, (2, 5))).sum().backward()
+    opt.step()
+    return model, opt
+
+
 def _save(env: Env, arg: str, value: Any, call: Callable[..., Any] = ckpt.save_checkpoint) -> None:
+    if arg.startswith("momentum"):
+        model, opt = _plain_replica(value)
+        call(env.root / "replicas", 5, model, opt)
+        return
     kwargs: dict[str, Any] = {"root": env.root / "saves", "step": 5, "optimizer": env.opt}
     if arg == "root":
         kwargs["root"] = env.root / value
@@ -267,6 +298,13 @@ def _load_safetensors(env: Env, arg: str, value: Any) -> None:
     ckpt.load_safetensors(env.model, folder, **({"strict": value} if arg == "strict" else {}))
 
 
+def _clip(env: Env, arg: str, value: Any) -> None:
+    """Every rank one stage of its own (group: the default group), its gradients watched."""
+    env.watch(*[p.grad for p in env.model.parameters() if p.grad is not None])
+    kwargs = {"max_norm": 1.0, "norm_type": 2.0, arg.split(" ")[0]: value}
+    clip_grad_norm_stages_(env.model.parameters(), **kwargs)
+
+
 CALLS: dict[str, Callable[[Env, str, Any], None]] = {
     "step": _step,
     "Muon": _muon,
@@ -276,6 +314,7 @@ CALLS: dict[str, Callable[[Env, str, Any], None]] = {
     "async_save_checkpoint": lambda env, arg, value: _save(env, arg, value, ckpt.async_save_checkpoint),
     "load_checkpoint": _load,
     "load_safetensors": _load_safetensors,
+    "clip_grad_norm_stages_": _clip,
 }
 
 

@@ -174,32 +174,9 @@ def test_each_folder_docstring_points_to_its_row_and_names_all_or_none(layer: st
     assert not named or not missing, f"muon_dtensor/{path}__init__.py names {named} but not {missing}"
 
 
-# Module paths moved in this release, kept importable as re-exports for one release (CHANGELOG.md).
-MOVED = {
-    "sharding.plan.compat": (
-        "base.compat",
-        ["_StridedShard", "flatten_state_dict", "has_cpu_backend", "local_tensor"],
-    ),
-    "checks.names": ("base.names", ["param_names", "refusal", "not_heads", "DEFAULT_HEAD_NAMES"]),
-    "checks.warn": ("base.warn", ["warn"]),
-    "checkpoint.helpers": ("checkpoint.save", ["save_checkpoint", "load_checkpoint", "PendingSave"]),
-    "checkpoint.layout": ("checkpoint.keys", ["PER_FQN", "BY_INDEX", "Layout", "layout_of_manifest"]),
-    "checkpoint.agree": ("checkpoint.arguments_agree", ["agree", "agree_save"]),
-    "tools.testing": ("testing.runner", ["run_ranks", "RankError"]),
-    "tools.launcher": ("testing.launcher", ["fork_ranks", "preload", "reap"]),
-    "tools.rank": ("testing.rank", ["worker"]),
-}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_module_path_still_imports_the_same_objects(old: str) -> None:
-    import importlib
-
-    new, names = MOVED[old]
-    was, now = (importlib.import_module(f"muon_dtensor.{m}") for m in (old, new))
-    for name in names:
-        expected = getattr(now, "StridedShard" if name == "_StridedShard" else name)
-        assert getattr(was, name) is expected, f"muon_dtensor.{old}.{name}"
-    assert not PACKAGE.joinpath(*old.split(".")).with_suffix(".py").exists(), "no file at the old path"
-    changelog = (PACKAGE.parent / "CHANGELOG.md").read_text().split("\n## 0.")[0]
-    assert f"muon_dtensor.{old}" in changelog and f"muon_dtensor.{new}" in changelog
+def test_tests_mirror_the_package_with_no_test_file_at_the_root() -> None:
+    """A test sits in the folder of what it tests (CONTRIBUTING.md, "Where a change goes"): the
+    harness's own tests in ``tests/harness/``; at the root only ``conftest.py`` and shared helpers."""
+    root = PACKAGE.parent / "tests"
+    stray = sorted(p.name for p in root.glob("test_*.py"))
+    assert not stray, f"test files at the tests root: {stray}; move each into the folder it tests"

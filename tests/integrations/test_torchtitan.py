@@ -1,7 +1,7 @@
 """torchtitan 0.3.0 selects ``muon_dtensor.Muon`` through ``examples/torchtitan/muon_optimizer.py``.
 
-torchtitan's trainer cannot run here: importing its model registry needs triton, and the trainer
-calls ``torch.cuda.set_device`` when no accelerator is found. These tests drive, on CPU and gloo, the
+torchtitan's trainer cannot run here: it calls ``torch.cuda.set_device`` when no accelerator is
+found (docs/torchtitan.md; its Llama 3 and parallelisms: test_torchtitan_llama.py). These tests drive, on CPU and gloo, the
 torchtitan parts the trainer uses around the optimizer: the container built from its config as the
 trainer builds it (``config.optimizer.build(model_parts=...)``), its ``LambdaLR`` schedulers (which
 add ``initial_lr`` to every group), its ``CheckpointManager`` saving and loading through

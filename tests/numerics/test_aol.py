@@ -36,6 +36,7 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
+from tests.bits import assert_batch_mates_do_not_matter
 from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
 from tests.numerics.test_ns_presets import seeded_inputs
@@ -184,14 +185,11 @@ def test_turbo_muon_in_low_precision_stays_near_its_band(dtype: torch.dtype) -> 
 def test_result_of_a_matrix_does_not_depend_on_its_batch(
     dtype: torch.dtype, shape: tuple, one_thread: None
 ) -> None:
-    """AOL's row sums are per matrix: a batch's rows are each matrix's lone bits (one BLAS thread)."""
+    """AOL's row sums are per matrix: a matrix's bits ignore its batch-mates (one BLAS thread),
+    batched against batched (tests/bits.py)."""
     config = _aol(dtype)
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
-    whole = newton_schulz(x, config)
-    for start, size in [(0, 1), (3, 1), (1, 2), (2, 5)]:
-        assert torch.equal(newton_schulz(x[start : start + size], config), whole[start : start + size])
-    for i in range(7):
-        assert torch.equal(newton_schulz(x[i], config), whole[i])
+    assert_batch_mates_do_not_matter(x, lambda b: newton_schulz(b, config))
 
 
 def test_zero_input_gives_zero_and_flops_are_the_standard_count() -> None:

@@ -37,6 +37,7 @@ from muon_dtensor.numerics.newton_schulz import (
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
+from tests.bits import assert_batch_mates_do_not_matter
 from tests.harness.ranks import run_ranks
 from tests.models import full, stepped
 from tests.numerics.test_newton_schulz import FROBENIUS_PRESETS
@@ -150,15 +151,11 @@ def test_restart_rule() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(24, 80), (80, 24)])
 def test_gram_result_does_not_depend_on_its_batch(dtype: torch.dtype, shape: tuple) -> None:
-    """What exactness needs (as for the standard iteration): a matrix's bits ignore its batch-mates,
-    and a 2-D call (the CPU path) equals its row of a batched call."""
+    """As for the standard iteration: a matrix's bits ignore its batch-mates, batched against
+    batched (tests/bits.py)."""
     config = _gram("you", dtype)
     x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(2))
-    batch = newton_schulz(x, config)
-    for start, size in [(0, 1), (2, 3), (5, 1)]:
-        assert torch.equal(newton_schulz(x[start : start + size], config), batch[start : start + size])
-    for i in range(6):
-        assert torch.equal(newton_schulz(x[i], config), batch[i])
+    assert_batch_mates_do_not_matter(x, lambda b: newton_schulz(b, config))
 
 
 def test_zero_input_gives_zero() -> None:

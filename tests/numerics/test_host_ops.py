@@ -84,12 +84,18 @@ def _step(monkeypatch: pytest.MonkeyPatch, value: str) -> tuple[list[torch.Tenso
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_batched_step_on_cpu_is_bitwise_the_one_at_a_time_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_step_on_cpu_is_the_one_at_a_time_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch changes the kernels (``bmm`` against ``mm``), not the maths. Different kernels may
+    round differently (CONTRIBUTING.md, "Bits and tolerances"), so the bound is arithmetic: per step,
+    at most 4 bfloat16 roundings (2^-7 each at the update's unit scale) of the update lr * scale * O,
+    with scale = sqrt(max(1, rows / cols)) <= sqrt(40 / 12). A matrix taken for another would move a
+    parameter by up to about lr * scale (0.037), 16x the bound (0.0023)."""
     batched, batched_ops = _step(monkeypatch, "always")
     single, single_ops = _step(monkeypatch, "never")
     assert "aten::bmm" in batched_ops and "aten::bmm" not in single_ops  # the switch took effect
+    bound = 2 * 0.02 * (40 / 12) ** 0.5 * 4 * 2**-7
     for a, b in zip(batched, single, strict=True):
-        assert torch.equal(a, b)
+        assert (a - b).abs().max() <= bound
 
 
 def test_collectives_per_step_do_not_grow_with_depth() -> None:

@@ -19,6 +19,7 @@ from muon_dtensor.numerics.newton_schulz import (
     stacked,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
+from tests.bits import assert_batch_mates_do_not_matter
 from tests.numerics.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
 
 
@@ -96,18 +97,14 @@ def test_keller_matches_torch_optim_muon_bitwise() -> None:
 def test_result_of_a_matrix_does_not_depend_on_its_batch(
     dtype: torch.dtype, shape: tuple, one_thread: None
 ) -> None:
-    """The owner of a matrix batches it with whichever same-shape matrices it owns; the one-process
-    step batches all of them. Exactness needs each matrix's result to ignore its batch-mates, which
-    holds with one BLAS thread (the ``one_thread`` fixture says why)."""
+    """Each matrix's result ignores its batch-mates' values (the iteration never mixes matrices),
+    compared batched against batched: the same batch size and position, other mates (one BLAS
+    thread: the ``one_thread`` fixture says why). A lone 2-D call against its row of a batch, or a
+    batch against a part of it, compared other kernels or shapes (tests/bits.py); a 2-D call is
+    checked against the float64 reference in ``test_ns_presets``."""
     config = resolve_ns_config("keller", 5, 1e-7, dtype)
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
-    full = newton_schulz(x, config)
-    for start, size in [(0, 1), (3, 1), (1, 2), (2, 5), (6, 1)]:
-        part = newton_schulz(x[start : start + size], config)
-        assert torch.equal(part, full[start : start + size])
-    # One matrix as a 2-D input (mm/addmm, the CPU path) equals its row of the batch (bmm/baddbmm).
-    for i in range(7):
-        assert torch.equal(newton_schulz(x[i], config), full[i])
+    assert_batch_mates_do_not_matter(x, lambda b: newton_schulz(b, config))
 
 
 def test_a_stacks_matrices_are_batched_as_a_view(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
+from tests.bits import assert_batch_mates_do_not_matter
 
 Triple = tuple[float, float, float]
 
@@ -180,18 +181,16 @@ def test_a_muon_step_by_name_is_the_step_by_table(preset: str) -> None:
 
 
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
-def test_cubic_steps_batched_are_the_lone_steps_in_bfloat16(algorithm: str) -> None:
+def test_cubic_steps_batched_stay_in_band_in_bfloat16(algorithm: str) -> None:
     """cubic5's c = 0 skips the A A product: torch 2.13's CPU ``baddbmm`` in bfloat16 with ``alpha=0``
-    returns its input unscaled, which once made the batched iteration diverge (singular values 1e25)."""
+    returns its input unscaled, which once made the batched iteration diverge (singular values 1e25).
+    The batched and the lone iteration both stay in cubic5's band; bits are compared batched against
+    batched only (tests/bits.py): a lone 2-D call takes other kernels than a batch's."""
     gen = torch.Generator().manual_seed(3)
     batch = torch.randn(3, 32, 96, generator=gen)
     config = resolve_ns_config("cubic5", 5, 1e-7, torch.bfloat16, algorithm)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batched and lone products agree bitwise on one thread
-    try:
-        batched = newton_schulz(batch, config)
-        lone = torch.stack([newton_schulz(m, config) for m in batch])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batched, lone)
-    assert torch.linalg.svdvals(batched.double()).max() <= PRESET_BANDS["cubic5"][1] + 0.02
+    batched = newton_schulz(batch, config)
+    lone = torch.stack([newton_schulz(m, config) for m in batch])
+    for out in (batched, lone):
+        assert torch.linalg.svdvals(out.double()).max() <= PRESET_BANDS["cubic5"][1] + 0.02
+    assert_batch_mates_do_not_matter(batch, lambda b: newton_schulz(b, config))

@@ -88,6 +88,39 @@ def test_cpu_pieces_cover_every_element_once(monkeypatch: pytest.MonkeyPatch) ->
     assert all(bool((t == 1).all()) for t in a) and all(bool((t == 2).all()) for t in b)
 
 
+def _buckets_one_by_one(
+    groups: list[list[torch.Tensor]], limit: int
+) -> list[tuple[list[int], list[list[int]]]]:
+    """The bucketing rule, tensor by tensor, for tensors that are never cut: a bucket closes
+    before the tensor that would take it over ``limit`` elements."""
+    out: list[tuple[list[int], list[list[int]]]] = []
+    index: list[int] = []
+    size = 0
+    for i, t in enumerate(groups[0]):
+        if size and size + t.numel() > limit:
+            out.append((index, [[id(g[j]) for j in index] for g in groups]))
+            index, size = [], 0
+        index.append(i)
+        size += t.numel()
+    out.append((index, [[id(g[j]) for j in index] for g in groups]))
+    return out
+
+
+def test_buckets_of_uncut_tensors_are_runs_of_the_same_tensors_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The steady step's buckets over thousands of small tensors are list slices (``_runs``), no
+    longer built tensor by tensor: the same buckets, the same tensors, in order."""
+    monkeypatch.setattr(elementwise, "CPU_PIECE_ELEMENTS", 100)
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(n) for n in torch.randint(0, 101, (200,), generator=gen)] + [100, 100, 0, 1]
+    a = [torch.zeros(n) for n in sizes]
+    b = [torch.zeros(n) for n in sizes]
+    got = [(index, [[id(t) for t in g] for g in pieces]) for index, pieces in buckets([a, b])]
+    assert got == _buckets_one_by_one([a, b], 100)
+    assert len(got) > 50  # many buckets: the rule was exercised
+
+
 def test_mixed_dtype_lists_cast_each_tensor_to_its_own_dtype() -> None:
     """One bucket may hold fp32 and bf16 parameters; each result lands in its own dtype."""
     outs = [t.to(torch.bfloat16) for t in _tensors(torch.float32, 5)]

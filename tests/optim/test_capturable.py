@@ -137,11 +137,12 @@ def test_sharded_steps_equal_the_one_process_capturable_step() -> None:
 
 
 def test_a_float_lr_the_group_reads_is_a_host_read_the_capturable_step_avoids() -> None:
-    """Without capturable a tensor lr is checked and read once per step as a float: host reads (a
-    sync each on CUDA); with it, neither."""
+    """Without capturable a tensor lr is read every step as a float: host reads (a sync each on
+    CUDA); checked (``lr >= 0``, a ``__bool__``) only at a step where its value changed, as each
+    group's settings are kept until then (``checks/settings_cache.py``). With it, neither."""
     model = build(None)
     lr = torch.tensor(0.02, dtype=torch.float64)
-    for capturable, expected in ((False, {"__bool__", "__float__"}), (True, set())):
+    for capturable, expected in ((False, {"__float__"}), (True, set())):
         with cpu_stands_in():
             opt = Muon(split_params(model), lr=lr, capturable=capturable)
             for p in model.parameters():
@@ -150,7 +151,14 @@ def test_a_float_lr_the_group_reads_is_a_host_read_the_capturable_step_avoids() 
             watch = SyncWatch([lr])
             with watch:
                 opt.step()
-        assert set(watch.found) == expected, watch.found  # checked (lr >= 0), then read as a float
+        assert set(watch.found) == expected, watch.found
+        if not capturable:  # a new value: checked again (lr >= 0) before it is read
+            with cpu_stands_in():
+                lr.fill_(0.03)
+                watch = SyncWatch([lr])
+                with watch:
+                    opt.step()
+            assert set(watch.found) == {"__bool__", "__float__"}, watch.found
 
 
 def test_refused_where_torch_cannot_capture_naming_the_parameter() -> None:

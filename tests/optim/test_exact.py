@@ -46,7 +46,8 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
 def test_batched_path_equals_single_process(world_size: int) -> None:
     """The CUDA path's batching (what ``MUON_DTENSOR_NS_BATCH=always`` selects, here on CPU): an owner's stacks go
     into Newton-Schulz as views, their results come back as one batched tensor, and runs, own
-    blocks and sends span a stack's members. Still the one-process step, bit for bit."""
+    blocks and sends span a stack's members. Still the one-process step, bit for bit, where each
+    matrix runs the same products on both sides (``exactness_batched`` says how)."""
     results = run_ranks(exactness_batched, world_size, timeout=240)
     for rank, per_layout in enumerate(results):
         assert per_layout, "no layout was checked"
@@ -58,17 +59,31 @@ def test_batched_path_equals_single_process(world_size: int) -> None:
 
 
 def exactness_batched(steps: int = 2) -> dict[str, Any]:
-    """``exactness`` for bf16 owner mode (one round and small rounds) with batched Newton-Schulz;
-    each rank runs one BLAS thread, so a matrix's bits do not depend on its batch. ``batching`` is
-    patched rather than ``MUON_DTENSOR_NS_BATCH`` set: a pooled rank has gloo threads running, and
-    ``setenv`` beside them is undefined behaviour (POSIX); the variable's parsing is tested alone."""
+    """``exactness`` for bf16 owner mode (one round and small rounds) with batched Newton-Schulz.
+    ``batching`` is patched rather than ``MUON_DTENSOR_NS_BATCH`` set: a pooled rank has gloo
+    threads running, and ``setenv`` beside them is undefined behaviour (POSIX); the variable's
+    parsing is tested alone.
+
+    An owner batches the subset of a shape's matrices it owns (or runs a lone one as a 2-D call),
+    the one process all of them: the batched products would have other batch sizes on the two
+    sides, and no torch release promises a matrix the same bits whatever its batch (CONTRIBUTING.md,
+    "Bits and tolerances"). So each member of a batch runs here as the 2-D call a lone matrix takes,
+    on both sides: the same kernels on the same shapes. What this test holds is the bookkeeping
+    around the batch (stacks as views, one batched result, runs and sends spanning its members)."""
     asked: list[str] = []
+    lone = newton_schulz.newton_schulz
 
     def always(device_type: str) -> bool:
         asked.append(device_type)
         return True
 
-    with mock.patch.object(newton_schulz, "batching", always):
+    def per_member(x: torch.Tensor, config: Any) -> torch.Tensor:
+        return torch.stack([lone(m, config) for m in x.unbind(0)]) if x.ndim == 3 else lone(x, config)
+
+    with (
+        mock.patch.object(newton_schulz, "batching", always),
+        mock.patch.object(newton_schulz, "newton_schulz", per_member),
+    ):
         ref_params, ref_bufs, _ = run_steps(None, (), steps)
         out: dict[str, Any] = {}
         for name, (mesh_shape, placements) in layouts(dist.get_world_size()).items():

@@ -47,14 +47,50 @@ def test_bad_values_are_refused_naming_value_and_fix(value: Any) -> None:
         Muon([{"params": _params(), "momentum_dtype": value}])
 
 
-@pytest.mark.parametrize("value", ["bf16", "bfloat16", 3, True, 2.0])
-def test_values_that_are_no_dtype_are_refused(value: Any) -> None:
-    """A group stores the dtype's name, but what a user passes is a torch.dtype: the string
-    "bfloat16" was accepted and an int raised only by accident."""
-    with pytest.raises(ValueError, match=r"Muon\(momentum_dtype=...\) should be a torch.dtype .* but is"):
+@pytest.mark.parametrize("value", ["bf16", "torch.bfloat16", "float8", 3, True, 2.0])
+def test_values_that_name_no_momentum_dtype_are_refused_everywhere(value: Any) -> None:
+    """One rule wherever ``momentum_dtype`` is given: a dtype or its name. Anything else is refused
+    naming the value: in the constructor, in a group's dict, and set on a group later (at the next
+    step, before anything changes)."""
+    pattern = r"momentum_dtype should be None .* \(or its name, e.g. 'bfloat16'\) but is: "
+    with pytest.raises(ValueError, match=pattern):
         Muon(_params(), momentum_dtype=value)
-    with pytest.raises(ValueError, match=r"param group 0's 'momentum_dtype' should be a torch.dtype"):
+    with pytest.raises(ValueError, match=pattern):
         Muon([{"params": _params(), "momentum_dtype": value}])
+    params = _params()
+    opt = Muon(params, lr=0.02)
+    _step(opt, params, 0)
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0]["momentum_dtype"] = value
+    with pytest.raises(ValueError, match=pattern):
+        _step(opt, params, 1)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.filterwarnings("ignore:momentum buffers found")
+@pytest.mark.parametrize(("dtype", "name"), [(torch.bfloat16, "bfloat16"), (torch.int8, "int8")])
+def test_a_dtype_and_its_name_are_one_value_everywhere(dtype: torch.dtype, name: str) -> None:
+    """Regression (issue 49.7): a group's ``"momentum_dtype": "bfloat16"`` set later was accepted
+    while the constructor refused the name, and docs/api.md said names were refused. Now the
+    constructor, a group's dict and a group set later take the dtype and its name alike (the group
+    stores the name, as ``ns_dtype`` does), and the four step bit for bit alike."""
+    runs = []
+    for how in ("constructor_dtype", "constructor_name", "group_name", "set_later_name"):
+        params = _params()
+        value = dtype if how == "constructor_dtype" else name
+        if how.startswith("constructor"):
+            opt = Muon(params, lr=0.02, momentum_dtype=value)
+        elif how == "group_name":
+            opt = Muon([{"params": params, "momentum_dtype": value}], lr=0.02)
+        else:
+            opt = Muon(params, lr=0.02)
+            opt.param_groups[0]["momentum_dtype"] = value
+        for step in range(3):
+            _step(opt, params, step)
+        assert opt.param_groups[0]["momentum_dtype"] == name
+        runs.append([p.detach().clone() for p in params] + _bufs(opt, params))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
 
 
 def test_float16_momentum_is_refused_with_the_reason_and_bfloat16() -> None:
@@ -102,6 +138,28 @@ def test_an_adamw_group_of_its_own_is_refused_an_inherited_default_is_not() -> N
     opt = Muon(both, momentum_dtype=torch.bfloat16)
     assert opt.state[bias]["exp_avg"].dtype == torch.float32  # AdamW keeps the parameter's dtype
     assert all(b.dtype == torch.bfloat16 for b in _bufs(opt, params))
+
+
+@pytest.mark.parametrize("value", [torch.bfloat16, "bfloat16", torch.float32])
+def test_an_adamw_groups_momentum_dtype_set_later_is_refused_naming_the_group(value: Any) -> None:
+    """Regression (issue 49.7): an AdamW group's ``momentum_dtype`` set after construction was
+    ignored (its moments stayed in the parameter's dtype, silently). The group stores None, not the
+    optimizer's default, and the next step refuses any other value, naming the group, before
+    anything changes; set back to None, it steps."""
+    params, bias = _params(), nn.Parameter(torch.zeros(5))
+    groups: list[dict[str, Any]] = [{"params": params}, {"params": [bias], "algorithm": "adamw"}]
+    opt = Muon(groups, momentum_dtype=torch.bfloat16)
+    assert opt.param_groups[1]["momentum_dtype"] is None  # not the optimizer's "bfloat16"
+    bias.grad = torch.ones(5)
+    _step(opt, params, 0)
+    before = [p.detach().clone() for p in [*params, bias]]
+    opt.param_groups[1]["momentum_dtype"] = value
+    with pytest.raises(ValueError, match=r"param group 1 is an AdamW group and sets 'momentum_dtype'"):
+        _step(opt, params, 1)
+    assert all(torch.equal(p, b) for p, b in zip([*params, bias], before))
+    opt.param_groups[1]["momentum_dtype"] = None
+    _step(opt, params, 1)
+    assert not torch.equal(bias, before[-1])
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,62 @@ def _set(group: int, key: str, value: Any, ranks: tuple[int, ...] = (1,)) -> Cal
     return case
 
 
+def _after_a_step(
+    change: Callable[[Muon], object], ranks: tuple[int, ...] = (1,), lr: Any = 0.02
+) -> Callable[[], None]:
+    """``change`` on ``ranks`` after one step, when every group's settings are resolved and kept
+    (``checks/settings_cache.py``): the digest must still see it."""
+
+    def case() -> None:
+        opt, params = _opt()
+        opt.param_groups[0]["lr"] = lr
+        for step in range(2):
+            if step == 1 and dist.get_rank() in ranks:
+                change(opt)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+
+    return case
+
+
+def _put(group: int, key: str, value: Any) -> Callable[[Muon], object]:
+    return lambda opt: opt.param_groups[group].__setitem__(key, value)
+
+
+def _edit_coefficients(opt: Muon) -> None:
+    opt.param_groups[0]["ns_coefficients"][1] = (2.0, -1.5, 0.5)  # the list in place
+
+
+def _there_and_back(opt: Muon) -> None:
+    opt.param_groups[0]["lr"] = 0.03
+    opt.param_groups[0]["lr"] = 0.02
+
+
+def _coefficients_list() -> Callable[[], None]:
+    def case() -> None:
+        opt, params = _opt()
+        opt.param_groups[0]["ns_coefficients"] = [(3.4445, -4.775, 2.0315), (3.0, -3.2, 1.2)]
+        for step in range(2):
+            if step == 1 and dist.get_rank() == 1:
+                _edit_coefficients(opt)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+
+    return case
+
+
+def _tensor_lr() -> Callable[[], None]:
+    def case() -> None:
+        lr = torch.tensor(0.02)
+        _after_a_step(lambda opt: lr.fill_(0.03), lr=lr)()
+
+    return case
+
+
 DISAGREE = "ranks disagree about the optimizer"
+ADAMW_DTYPE = "is an AdamW group and sets 'momentum_dtype'"
 CASES: dict[str, tuple[Callable[[], None], tuple[str, str]]] = {
     # one rank alone: the digests differ, every rank names the field
     "lr_nan": (_set(0, "lr", math.nan), (DISAGREE, DISAGREE)),
@@ -67,6 +122,19 @@ CASES: dict[str, tuple[Callable[[], None], tuple[str, str]]] = {
     # the same bad value everywhere: the local check's own message on every rank
     "lr_negative_everywhere": (_set(0, "lr", -1.0, ranks=(0, 1)), ("Learning rate", "Learning rate")),
     "mode_x_everywhere": (_set(0, "mode", "x", ranks=(0, 1)), ("mode should be", "mode should be")),
+    # after a step, with every group's settings kept: a change on one rank is still a disagreement
+    "lr_after_a_step": (_after_a_step(_put(0, "lr", 0.03)), (DISAGREE, DISAGREE)),
+    "tensor_lr_filled_on_one_rank": (_tensor_lr(), (DISAGREE, DISAGREE)),
+    "coefficients_list_edited_on_one_rank": (_coefficients_list(), (DISAGREE, DISAGREE)),
+    "momentum_dtype_name_after_a_step": (
+        _after_a_step(_put(0, "momentum_dtype", "bfloat16")),
+        (DISAGREE, DISAGREE),
+    ),
+    "adamw_momentum_dtype_everywhere": (
+        _after_a_step(_put(1, "momentum_dtype", torch.bfloat16), ranks=(0, 1)),
+        (ADAMW_DTYPE, ADAMW_DTYPE),
+    ),
+    "changed_and_back_on_one_rank": (_after_a_step(_there_and_back), ("none", "none")),
 }
 
 
@@ -90,5 +158,8 @@ def outcomes() -> list[dict[str, str]]:
 def test_value_set_on_one_rank_raises_on_every_rank(case: str, outcomes: list[dict[str, str]]) -> None:
     for rank, expected in enumerate(CASES[case][1]):
         message = outcomes[rank][case]
+        if expected == "none":  # no change left: every rank steps
+            assert message == "none", f"rank {rank}: {message}"
+            continue
         assert message != "none", f"rank {rank} did not raise"
         assert expected in message, f"rank {rank}: {message}"

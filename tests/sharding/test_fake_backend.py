@@ -27,6 +27,7 @@ from muon_dtensor import Muon, qk_clip_, qk_clip_all_
 from muon_dtensor.checkpoint.arguments_agree import agree, agree_save
 from muon_dtensor.checks.together import raise_together
 from muon_dtensor.sharding.runtime.comm import CommStats, simulated, start_exchange
+from muon_dtensor.testing import run_ranks as fresh_ranks
 from tests.harness.ranks import run_ranks
 
 
@@ -204,3 +205,83 @@ def test_setup_work_is_params_plus_world() -> None:
     assert max(reads, more_params[0], more_ranks[0]) <= 1  # 0: torch handed back a mesh already read
     assert cuts <= 3 * 256 and more_params[1] <= 3 * 256  # 4x the parameters: no more work
     assert more_ranks[1] == 3 * 512  # 2x the world: the O(world) part only
+
+
+# Issue 49 item 4: a fake group inside a real job switched the agreement off. A fake mesh axis of two
+# ranks in a gloo job stepped with wrong weights (each rank took its own values for both ranks'),
+# ``Muon(step_group=<a fake group>)`` let lr 0.02 against 0.03 through, and a mesh only rank 0
+# stepped on ended in a gloo abort. Each is now refused on every rank before any collective; the
+# degree-1 fake axes of torchtitan's meshes keep working (``test_mixed_backends_fake_degree_one_axis``).
+# Fresh processes: torch keeps a mesh's fake group for a later mesh over the same ranks.
+
+
+def _fake_dp_mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), backend_override={"dp": "fake"})
+
+
+def _sharded(mesh: DeviceMesh) -> Any:
+    """A parameter sharded on ``mesh``, built from local shards (no collective: ranks may differ)."""
+    return _params(mesh, [Shard(0)], [(8, 6)])[0]
+
+
+def _refused_fake(case: str) -> tuple[str, str, bool]:
+    """One case: (error type, message, whether this rank's weights are unchanged)."""
+    rank = dist.get_rank()
+    real = init_device_mesh("cpu", (2,))
+    p = _sharded(_fake_dp_mesh() if case in ("fake mesh axis", "only rank 0 steps", "qk_clip") else real)
+    before = p.to_local().clone()
+    try:
+        if case == "fake step_group":
+            Muon([p], lr=0.02 + 0.01 * rank, step_group=dist.new_group(backend="fake")).step()
+        elif case == "only rank 0 steps":  # rank 1 steps on plain tensors, over the same step group
+            mine = [p] if rank == 0 else [nn.Parameter(torch.ones(4, 4))]
+            Muon(mine, lr=0.02, step_group=dist.group.WORLD).step()
+        elif case == "qk_clip":
+            qk_clip_(p, p, torch.tensor([500.0]), head_dim=8, threshold=100.0)
+        else:
+            Muon([p], lr=0.02).step()
+        kind, message = "no error", ""
+    except ValueError as e:
+        kind, message = type(e).__name__, str(e)
+    return kind, message, torch.equal(p.to_local(), before)
+
+
+def _fake_step_sum() -> tuple[str, str, bool]:
+    """Rank 0 steps on a fake 2-rank mesh axis, rank 1 on a real mesh, both in the default group's
+    row (no step_group: the refusal travels in the step's first sum)."""
+    rank = dist.get_rank()
+    real, fake = init_device_mesh("cpu", (2,)), _fake_dp_mesh()
+    p = _sharded(fake if rank == 0 else real)
+    before = p.to_local().clone()
+    try:
+        Muon([p], lr=0.02).step()
+        kind, message = "no error", ""
+    except ValueError as e:
+        kind, message = type(e).__name__, str(e)
+    return kind, message, torch.equal(p.to_local(), before)
+
+
+FAKE_CASES = ["fake mesh axis", "fake step_group", "only rank 0 steps", "qk_clip", "one rank's mesh"]
+
+
+def fake_cases() -> list[tuple[str, str, bool]]:
+    """Rank function: every case, in one launch (each builds its own meshes and groups)."""
+    return [_fake_step_sum() if case == "one rank's mesh" else _refused_fake(case) for case in FAKE_CASES]
+
+
+def test_a_fake_group_of_several_ranks_in_a_real_job_is_refused_on_every_rank() -> None:
+    """Each case raises the same ValueError on both ranks, and no weight moves. "only rank 0 steps"
+    is refused where Muon is built; "one rank's mesh" (once a gloo abort on rank 1) in the step
+    group's sum, which names the mesh rank 1 lacks."""
+    ranks = fresh_ranks(fake_cases, 2, timeout=120)
+    for case, *results in zip(FAKE_CASES, *ranks, strict=True):
+        assert all(kind == "ValueError" and unchanged for kind, _, unchanged in results), (case, results)
+        assert results[0] == results[1], (case, results)
+        message = results[0][1]
+        if case == "one rank's mesh":
+            assert (
+                "the cpu mesh (dp=2) of ranks [0, 1] is stepped on by rank(s) [0] but not by [1]" in message
+            )
+        else:
+            assert "runs on torch's fake backend over 2 ranks" in message, (case, message)
+            assert "default group is gloo" in message, (case, message)

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...base.weak_memo import WeakMemo
+
 __all__ = [
     "Block",
     "Interval",
@@ -57,9 +59,7 @@ def block_numel(block: Block) -> int:
     return math.prod(block_shape(block))
 
 
-# block_numels' memo: id of a blocks tuple -> (the tuple, kept alive so the id stays its own; numels)
-_NUMELS: dict[int, tuple[tuple[Block, ...], tuple[int, ...]]] = {}
-_NUMELS_MAX = 4096
+_NUMELS: WeakMemo[tuple[int, ...]] = WeakMemo(limit=4096)  # block_numels' memo, per blocks tuple
 
 
 def block_numels(blocks: Sequence[Block]) -> tuple[int, ...]:
@@ -68,14 +68,10 @@ def block_numels(blocks: Sequence[Block]) -> tuple[int, ...]:
     every matrix's sizes many times (each rank's memory, the phases, both exchanges, the splits)."""
     if not isinstance(blocks, tuple):
         return tuple(block_numel(b) for b in blocks)
-    hit = _NUMELS.get(id(blocks))
-    if hit is not None and hit[0] is blocks:
-        return hit[1]
-    numels = tuple(block_numel(b) for b in blocks)
-    if len(_NUMELS) >= _NUMELS_MAX:
-        _NUMELS.clear()
-    _NUMELS[id(blocks)] = (blocks, numels)
-    return numels
+    hit = _NUMELS.get(blocks)
+    if hit is not None:
+        return hit
+    return _NUMELS.put(blocks, tuple(block_numel(b) for b in blocks))
 
 
 def _chunk(intervals: tuple[Interval, ...], pieces: int, index: int) -> tuple[Interval, ...]:

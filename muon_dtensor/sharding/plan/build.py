@@ -27,6 +27,8 @@ from .gangs import Gang, gang_cost, gang_start
 
 __all__ = [
     "Mode",
+    "OWNERS",
+    "Owners",
     "DEFAULT_ROUND_BYTES",
     "MODES",
     "check_mode",
@@ -40,6 +42,10 @@ __all__ = [
 # "owner": each matrix once, on a balanced owner; "gather": every rank computes every matrix.
 Mode = Literal["owner", "gather"]
 MODES: tuple[str, ...] = get_args(Mode)
+# Where the owners of parameters with replicas (HSDP) are: over the whole mesh, per replica, or
+# "auto", priced by the cost model (``optim/policy.py``).
+Owners = Literal["auto", "mesh", "replica"]
+OWNERS: tuple[str, ...] = get_args(Owners)
 
 
 def check_mode(mode: str) -> None:

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...base.weak_memo import WeakMemo
 from ...numerics.blockwise import CHUNK_ELEMENTS
 from .blocks import block_numels
 from .build import EVERYONE, MatrixEntry, Plan
@@ -103,21 +104,16 @@ def round_sizes(plan: Plan, me: int) -> tuple[RoundSizes, ...]:
     return tuple(out)
 
 
-_NUMELS: dict[int, tuple[Plan, list[tuple[int, ...]]]] = {}
+_NUMELS: WeakMemo[list[tuple[int, ...]]] = WeakMemo(limit=16)  # per plan, held weakly
 
 
 def _numels(plan: Plan) -> list[tuple[int, ...]]:
     """Per entry, every group rank's block elements; computed once per plan (and per distinct
-    blocks tuple), since ``round_sizes`` is asked for every rank of a plan in turn. The cache
-    holds the plan itself, so an id is never mistaken for a later plan's."""
-    cached = _NUMELS.get(id(plan))
-    if cached is not None and cached[0] is plan:
-        return cached[1]
-    table = [block_numels(e.blocks) for e in plan.entries]
-    if len(_NUMELS) >= 16:  # a few plans at a time: callers walk one model's ranks
-        _NUMELS.clear()
-    _NUMELS[id(plan)] = (plan, table)
-    return table
+    blocks tuple), since ``round_sizes`` is asked for every rank of a plan in turn."""
+    cached = _NUMELS.get(plan)
+    if cached is not None:
+        return cached
+    return _NUMELS.put(plan, [block_numels(e.blocks) for e in plan.entries])
 
 
 def _others(numels: tuple[int, ...], me: int, entry: MatrixEntry) -> int:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import zeros as dtensor_zeros
 
 from ...base.compat import StridedShard, local_tensor
 from ...base.torch_dist import dtensor_spec
+from ...base.weak_memo import WeakMemo
 from ...numerics.blockwise import absmax_shape
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 
@@ -56,7 +57,7 @@ class ParamLayout:
     @property
     def key(self) -> tuple:
         """Parameters with equal keys share an exchange group (and a plan)."""
-        return (id(self.group), self.group_size, self.members)
+        return (self.group, self.group_size, self.members)
 
 
 def local_of(t: Tensor) -> Tensor:
@@ -103,32 +104,33 @@ def shards_of(p: DTensor, name: str) -> list[AxisShard]:
 
 @dataclass
 class _MeshMemo:
-    """What a layout reads from one mesh, kept per mesh (``_memo``): its axis ranks per exchange
-    axes, read from ``DeviceMesh.mesh`` once (torch 2.13 rebuilds that tensor from the mesh's layout
-    on every access), each exchange group's block order, and the ordered blocks per blocks tuple. A
-    set-up then does O(world) work per mesh and layout, and O(1) per parameter."""
+    """What a layout reads from one mesh, kept per mesh while the mesh lives (``_MEMOS``): its axis
+    ranks per exchange axes, read from ``DeviceMesh.mesh`` once (torch 2.13 rebuilds that tensor from
+    the mesh's layout on every access), each exchange group's block order, and the ordered blocks
+    per blocks tuple. A set-up then does O(world) work per mesh and layout, and O(1) per parameter.
+    It holds no mesh and no group: the memo of a dropped mesh goes with it."""
 
-    mesh: DeviceMesh
     coordinate: tuple[int, ...]
     ranks: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
-    orders: dict[tuple, tuple[object, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
-    ordered: dict[tuple[int, int], tuple[object, object, tuple[Block, ...], tuple[int, ...] | None]] = field(
-        default_factory=dict
+    # per group (None: planned without one), per (axes, planned): ranks, order, this rank's index
+    orders: WeakMemo[dict[tuple, tuple[tuple[int, ...], tuple[int, ...], int]]] = field(
+        default_factory=WeakMemo
+    )
+    # per flat blocks tuple, per order tuple: the blocks and replicas in group order
+    ordered: WeakMemo[WeakMemo[tuple[tuple[Block, ...], tuple[int, ...] | None]]] = field(
+        default_factory=WeakMemo
     )
 
 
-_MEMOS: dict[int, _MeshMemo] = {}  # id(mesh) -> its memo (holding the mesh, so the id stays its own)
-_MEMOS_MAX = 64
+_MEMOS: WeakMemo[_MeshMemo] = WeakMemo()  # per mesh, held weakly
 MESH_READS = [0]  # ``DeviceMesh.mesh`` reads by layouts, for tests that bound the set-up's work
 
 
 def _memo(mesh: DeviceMesh) -> _MeshMemo:
     coordinate = tuple(mesh.get_coordinate() or ())
-    memo = _MEMOS.get(id(mesh))
-    if memo is None or memo.mesh is not mesh or memo.coordinate != coordinate:
-        if len(_MEMOS) >= _MEMOS_MAX:
-            _MEMOS.pop(next(iter(_MEMOS)))
-        memo = _MEMOS[id(mesh)] = _MeshMemo(mesh, coordinate)
+    memo = _MEMOS.get(mesh)
+    if memo is None or memo.coordinate != coordinate:
+        memo = _MEMOS.put(mesh, _MeshMemo(coordinate))
     return memo
 
 
@@ -151,19 +153,21 @@ def _group_order(
     """The exchange group's global ranks in group order (``planned``: the axis ranks, sorted, as
     ``runtime.groups`` creates the group), for each group rank the flat (row-major over ``axes``)
     index of its block, and this rank's group rank; once per (mesh, axes, group)."""
-    memo = _memo(mesh)
-    key = (axes, id(group), planned)
-    hit = memo.orders.get(key)
-    if hit is not None and hit[0] is group:
-        return hit[1], hit[2], hit[3]
+    orders = _memo(mesh).orders
+    per_group = orders.get(group)
+    if per_group is None:
+        per_group = orders.put(group, {})
+    hit = per_group.get((axes, planned))
+    if hit is not None:
+        return hit
     axis_ranks = _axis_ranks(mesh, axes)
     ranks = tuple(sorted(axis_ranks)) if planned else tuple(dist.get_process_group_ranks(group))
     where = {r: i for i, r in enumerate(axis_ranks)}
     order = tuple(where[r] for r in ranks)
     if order == tuple(range(len(order))):
         order = _IDENTITY
-    memo.orders[key] = (group, ranks, order, ranks.index(dist.get_rank()))
-    return ranks, order, memo.orders[key][3]
+    hit = per_group[(axes, planned)] = (ranks, order, ranks.index(dist.get_rank()))
+    return hit
 
 
 _IDENTITY: tuple[int, ...] = ()  # the order that keeps every block where it is
@@ -177,15 +181,16 @@ def _ordered(
     order is the mesh's."""
     if order is _IDENTITY:
         return flat, replicas
-    memo = _memo(mesh)
-    key = (id(flat), id(order))
-    hit = memo.ordered.get(key)
-    if hit is not None and hit[0] is flat and hit[1] is order:
-        return hit[2], hit[3]
+    ordered = _memo(mesh).ordered
+    per_flat = ordered.get(flat)
+    if per_flat is None:
+        per_flat = ordered.put(flat, WeakMemo())
+    hit = per_flat.get(order)
+    if hit is not None:
+        return hit
     blocks = tuple(flat[i] for i in order)
     replica_of = tuple(replicas[i] for i in order) if replicas is not None else None
-    memo.ordered[key] = (flat, order, blocks, replica_of)
-    return blocks, replica_of
+    return per_flat.put(order, (blocks, replica_of))
 
 
 def check_placements(p: Tensor, name: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...base.weak_memo import WeakMemo
 from ...numerics.split_ns import part_sizes
 from .blocks import Block, Interval, take
 
@@ -212,8 +213,8 @@ def _view(
 # _view_blocks' memo: (id of a blocks tuple, shape, expert, rows) -> (the tuple, kept alive so the id
 # stays its own; every rank's block of the view). A model's matrices share a few layouts, so a set-up
 # cuts each layout's blocks once, O(ranks), and every parameter of it in O(1).
-_VIEW_BLOCKS: dict[tuple, tuple[Sequence[Block], tuple[Block, ...]]] = {}
-_VIEW_BLOCKS_MAX = 4096
+# per blocks tuple, per (shape, expert, lo, hi, rows_dim): the view's blocks
+_VIEW_BLOCKS: WeakMemo[dict[tuple, tuple[Block, ...]]] = WeakMemo(limit=4096)
 VIEW_BLOCK_CUTS = [0]  # blocks cut (one per rank per distinct layout), for tests that bound set-up work
 
 
@@ -227,10 +228,13 @@ def _view_blocks(
     name: str,
 ) -> tuple[Block, ...]:
     """Every group rank's block of the view (rows ``lo:hi`` of ``expert``, if any)."""
-    key = (id(blocks), tuple(shape), expert, lo, hi, rows_dim)
-    hit = _VIEW_BLOCKS.get(key)
-    if hit is not None and hit[0] is blocks:
-        return hit[1]
+    per_blocks = _VIEW_BLOCKS.get(blocks)
+    if per_blocks is None:
+        per_blocks = _VIEW_BLOCKS.put(blocks, {})
+    key = (tuple(shape), expert, lo, hi, rows_dim)
+    hit = per_blocks.get(key)
+    if hit is not None:
+        return hit
     out: list[Block] = []
     for block in blocks:
         if expert is not None and _has(block[0], expert) is None:
@@ -243,10 +247,8 @@ def _view_blocks(
         )
         out.append((_intersect(block[rows_dim], lo, hi)[0], col_iv))
     VIEW_BLOCK_CUTS[0] += len(out)
-    if len(_VIEW_BLOCKS) >= _VIEW_BLOCKS_MAX:
-        _VIEW_BLOCKS.pop(next(iter(_VIEW_BLOCKS)))
-    _VIEW_BLOCKS[key] = (blocks, tuple(out))
-    return _VIEW_BLOCKS[key][1]
+    hit = per_blocks[key] = tuple(out)
+    return hit
 
 
 def _with_lead(view: View, blocks: Sequence[Block], lead: int) -> View:

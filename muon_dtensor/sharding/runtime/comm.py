@@ -26,6 +26,7 @@ from .groups import check_groups
 __all__ = [
     "CommStats",
     "gather_objects",
+    "fake_refusal",
     "gather_over_scope",
     "max_over_group",
     "max_over_mesh",
@@ -82,11 +83,45 @@ def simulated(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` (None: the default group) runs on torch's ``fake`` backend, where one process
     plays one rank of a world of any size and collectives return at once, moving nothing. The one
     place the package asks: on such a group a sum is the sum as if every rank held this rank's values,
-    and a gather holds this rank's value for every rank (docs/design.md, "The fake backend")."""
+    and a gather holds this rank's value for every rank (docs/design.md, "The fake backend").
+
+    That answer is true only where every rank is this one: a fake group of more than one rank in a
+    job whose default group is real hands each rank its own values as everyone's (wrong sums, no
+    agreement). ``fake_refusal`` names such a group; the step, the group checks and QK-Clip ask it
+    before any collective and raise on every rank, so no step runs over one."""
+    return _fake(group)
+
+
+def _fake(group: dist.ProcessGroup | None) -> bool:
     try:
         return str(dist.get_backend(group)).lower() == "fake"
     except (RuntimeError, ValueError):  # no process group, or a group this rank is not in
         return False
+
+
+def fake_refusal(scope: DeviceMesh | dist.ProcessGroup | None, name: str) -> str | None:
+    """Why ``scope`` (a group, or each axis of a mesh) cannot be simulated truthfully, or None: a
+    fake group of more than one rank inside a job whose default group is real. Degree-1 fake axes
+    (torchtitan's meshes inside a real job) take no collective and are fine. Local, no collective."""
+    if scope is None or _fake(None):
+        return None
+    axes = [scope.get_group(a) for a in range(scope.ndim)] if isinstance(scope, DeviceMesh) else [scope]
+    for axis, group in enumerate(axes):
+        if _fake(group) and dist.get_world_size(group) > 1:
+            where = (
+                f"axis {axis} of the mesh of ranks {scope.mesh.flatten().tolist()}"
+                if isinstance(scope, DeviceMesh)
+                else "it"
+            )
+            return (
+                f"{name} runs on torch's fake backend over {dist.get_world_size(group)} ranks "
+                f"({where}: ranks {dist.get_process_group_ranks(group)}) in a job whose default group is "
+                f"{dist.get_backend()}: a fake collective moves nothing, so each rank would take its own "
+                "values for every rank's. Give that group or mesh axis a real backend (drop its "
+                "backend_override), or make it one rank; a fake group belongs to a fake world "
+                '(init_process_group("fake", ...), docs/scale.md)'
+            )
+    return None
 
 
 def sum_over_mesh(counts: Tensor, mesh: DeviceMesh) -> Tensor:

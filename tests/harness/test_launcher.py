@@ -122,8 +122,11 @@ def test_a_changed_umask_gets_a_fresh_launcher(tmp_path: Path) -> None:
 
 # A caller whose copy of muon_dtensor changes between two launches (an edit, another checkout on
 # the same path): the second launch's ranks must run the changed file, not the launcher's import.
+# The edit keeps the file's size and its modification time's second (issue 49 item 7: the check
+# once missed an edit, 1 run in 3): Python trusts a .pyc whose recorded size and whole-second
+# mtime match, so a fresh launcher ran the old code until the changed file's bytecode was removed.
 EDITED_CALLER = """
-import sys
+import os, sys
 from muon_dtensor.testing import run_ranks
 
 def edited():
@@ -132,8 +135,14 @@ def edited():
 
 if __name__ == "__main__":
     first = run_ranks(edited, 2)
-    with open(sys.argv[1], "a") as f:
-        f.write("\\nEDITED_FOR_THE_TEST = 1\\n")
+    path = sys.argv[1]
+    before = os.stat(path).st_mtime_ns
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace("EDITED_FOR_THE_TEST = 0", "EDITED_FOR_THE_TEST = 1"))
+    same_second = before + 1 if (before + 1) % 10**9 else before - 1
+    os.utime(path, ns=(same_second, same_second))
     print(first, run_ranks(edited, 2))
 """
 
@@ -147,15 +156,45 @@ def test_a_changed_library_file_gets_a_fresh_launcher(tmp_path: Path) -> None:
 
     copy = tmp_path / "muon_dtensor"
     shutil.copytree(Path(muon_dtensor.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "caller.py").write_text(EDITED_CALLER)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     target = copy / "optim" / "optimizer.py"
+    with open(target, "a") as f:
+        f.write("\nEDITED_FOR_THE_TEST = 0\n")
+    (tmp_path / "caller.py").write_text(EDITED_CALLER)
+    # bytecode written, as by default (a session may run with PYTHONDONTWRITEBYTECODE set)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run(
         [sys.executable, str(tmp_path / "caller.py"), str(target)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[None,", "None]", "[1,", "1]"], out.stdout
+    assert out.stdout.split() == ["[0,", "0]", "[1,", "1]"], out.stdout
+
+
+def test_a_same_size_edit_within_the_second_loses_its_bytecode(tmp_path: Path) -> None:
+    """The hazard itself, without a launcher: a fresh interpreter runs the stale .pyc of a same-size
+    edit within the same second, until ``forget_bytecode`` removes it."""
+    import py_compile
+
+    from muon_dtensor.testing.launcher import forget_bytecode, sources
+
+    module = tmp_path / "edited_module.py"
+    module.write_text("X = 1\n")
+    second = (int(module.stat().st_mtime) - 10) * 10**9
+    os.utime(module, ns=(second + 100, second + 100))
+    py_compile.compile(str(module))
+    seen = sources(tmp_path)
+    module.write_text("X = 2\n")
+    os.utime(module, ns=(second + 200, second + 200))
+    assert sources(tmp_path) != seen  # what the launcher compares: the change is visible
+    read = [sys.executable, "-c", "import edited_module; print(edited_module.X)"]
+
+    def value() -> str:
+        return subprocess.run(read, cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert value() == "1"  # Python's own check passed the stale bytecode
+    forget_bytecode([str(module)])
+    assert value() == "2"
 
 
 # A caller interrupted by Ctrl-C during a launch: the terminal sends SIGINT to its foreground process
