@@ -19,6 +19,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "_StridedShard",
+    "all_gather_single",
     "flatten_state_dict",
     "has_cpu_backend",
     "local_tensor",
@@ -88,3 +89,11 @@ if TYPE_CHECKING:
 else:
     TorchDispatchMode = _find("TorchDispatchMode", ("torch.utils._python_dispatch",))
     tree_leaves = _find("tree_leaves", ("torch.utils._pytree",))
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Every rank's ``input`` into one tensor: ``dist.all_gather_single`` where torch has it (2.13,
+    which deprecates the older name), else ``dist.all_gather_into_tensor``."""
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -25,6 +25,7 @@ __all__ = [
     "fake_store",
     "is_fsdp1_flat_param",
     "local_shape",
+    "named_group",
     "non_persistent_buffers",
     "process_group_count",
 ]
@@ -93,3 +94,28 @@ def local_shape(shape: torch.Size, mesh: Any, placements: Any) -> tuple[int, ...
 def process_group_count() -> int:
     """How many process groups this process has created (``distributed_c10d._world.pg_map``)."""
     return len(c10d._world.pg_map)
+
+
+def named_group(ranks: list[int], name: str, backend: str | None = None) -> torch.distributed.ProcessGroup:
+    """A process group over ``ranks`` (global ranks, sorted, this rank among them) created by those
+    ranks alone under ``name``: its store prefix, so members meet there whatever other groups each
+    of them made before. ``new_group(use_local_synchronization=True)`` names a group from this rank's
+    own count of groups, which ranks with different histories do not share. Built as ``new_group``
+    builds one (``distributed_c10d._new_process_group_helper``, then the rank map); ``backend``:
+    the default group's when None."""
+    default = c10d._get_default_group()
+    default_backend, store = c10d._world.pg_map[default]
+    chosen = c10d.Backend(backend or default_backend)
+    pg, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(default.rank()),
+        ranks,
+        chosen,
+        store,
+        c10d.GroupName(name),
+        timeout=c10d._get_default_timeout(chosen),
+        device_id=default.bound_device_id,
+        group_desc=name,
+    )
+    c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+    return pg

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..sharding.plan.grid import grid_factors, ring_hops
+from ..sharding.plan.grid import butterfly_steps, ring_hops
 
 __all__ = ["GLOO_HOP_SECONDS", "Hardware", "check_collectives", "check_seconds", "fit_latency_bandwidth"]
 
@@ -125,9 +125,10 @@ GLOO_HOP_SECONDS = 20e-6
 
 def check_seconds(hw: Hardware, ranks: int) -> float:
     """The step's check, a small sum over ``ranks`` ranks: on gloo ``grid.ring_hops`` hops of
-    ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a grid's, 508 hops
-    or 10 ms at 8,192 ranks where one ring would be 0.66 s); on NCCL one ``collective_latency`` (an
-    assumption, not measured here)."""
+    ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a butterfly of
+    two-rank all-gathers, log2 P steps priced as 4 hops each: 52 hops or 1.04 ms at 8,192 ranks where
+    one ring would be 0.66 s); on
+    NCCL one ``collective_latency`` (an assumption, not measured here)."""
     if ranks <= 1:
         return 0.0
     if hw.check_backend == "gloo":
@@ -136,8 +137,9 @@ def check_seconds(hw: Hardware, ranks: int) -> float:
 
 
 def check_collectives(hw: Hardware, ranks: int) -> int:
-    """All-reduces of the step's check: one, or on gloo one per axis of the grid (``grid.py``)."""
-    return max(1, len(grid_factors(ranks))) if hw.check_backend == "gloo" else 1
+    """Collectives of the step's check: one all-reduce, or on gloo one all-gather per step of the
+    butterfly (``grid.py``)."""
+    return max(1, len(butterfly_steps(ranks, 0))) if hw.check_backend == "gloo" else 1
 
 
 # ``plan``'s command-line flag -> (Hardware field, factor from the flag's unit to the field's).

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
 from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
+from muon_dtensor.sharding.plan import grid
 from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.models import build
@@ -60,6 +61,8 @@ ROWS: list[tuple[str, str, Any, Any]] = [
     ("step", "params (contents)", "every matrix", "the last one left out"),
     ("step", "gradient", "present", "missing"),
     ("step", "params (meshes)", "the model's mesh", "a second mesh too"),
+    # the check's sum forced through its butterfly, after a group that only some ranks joined (issue 49)
+    ("step", "lr (butterfly, a subset group made first)", 0.02, 0.03),
     # qk_clip_: the arguments, the weights' kind, this rank's max logits
     ("qk_clip_", "head_dim", 4, 2),
     ("qk_clip_", "threshold", 100.0, 50.0),
@@ -156,11 +159,26 @@ def _step(env: Env, arg: str, value: Any) -> None:
             extra = nn.Parameter(DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False))
             extra.grad = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
             env.opt.add_param_group({"params": [extra], "param_names": ["extra.weight"]})
+    elif arg == "lr (butterfly, a subset group made first)":
+        _butterfly_step(env, value)
+        return
     elif arg == "capturable (at construction)":  # refused on this CPU, at the first step on every rank
         env.opt = Muon(split_params(env.model), lr=0.02, capturable=value)
     elif not arg.startswith(("params", "gradient")):
         group[arg] = value
     env.opt.step()
+
+
+def _butterfly_step(env: Env, lr: float) -> None:
+    """A group of rank 0 alone made on every rank first (rank 0 now holds one group more), then the
+    step with its check's sum forced through the butterfly's pairs (``sharding/plan/grid.py``)."""
+    dist.new_group([0])
+    above, grid.GRID_ABOVE = grid.GRID_ABOVE, 1
+    try:
+        env.opt.param_groups[0]["lr"] = lr
+        env.opt.step()
+    finally:
+        grid.GRID_ABOVE = above
 
 
 def _qk(mesh: Any, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

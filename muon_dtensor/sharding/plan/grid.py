@@ -1,44 +1,47 @@
-"""The grid a small sum over many ranks runs through: gloo's all-reduce sends even a few integers twice
-around a ring of P ranks (``gloo/allreduce.cc``), 4 (P - 1) sequential hops, so the step's check over
-8,192 ranks would take 32,764 hops. Summed axis by axis over a grid of at most ``GRID_SIDE`` ranks a
-side, every rank's row still reaches every rank once, in 4 sum(side - 1) hops (508 at 8,192 ranks).
+"""The steps a small sum over many ranks runs through: gloo's all-reduce sends even a few integers
+twice around a ring of P ranks (``gloo/allreduce.cc``), 4 (P - 1) sequential hops, so the step's check
+over 8,192 ranks would take 32,764 hops. Above ``GRID_ABOVE`` ranks it runs as a butterfly
+(recursive doubling) of two-rank sums instead: in step k a rank sums with the rank whose index differs
+in bit k, so after log2 P steps every rank holds the sum of every row. Each step is an all-gather of
+the two rows (one message each way; ``runtime.comm``), 13 steps at 8,192 ranks, each priced as a
+two-rank all-reduce (``ring_hops``). A rank count that is not a power of two folds its last ``P - 2**k`` ranks into the first ones
+before and hands them the total after: two steps more. Every rank ends with the same integers, and
+with the same bits for floats too (each step adds the same two values, in either order).
 Pure: ``runtime.groups.check_groups`` creates the groups, ``planning`` prices the hops."""
 
 from __future__ import annotations
 
-__all__ = ["GRID_ABOVE", "GRID_SIDE", "grid_axis", "grid_factors", "ring_hops"]
+__all__ = ["GRID_ABOVE", "Step", "butterfly_steps", "ring_hops"]
 
-GRID_ABOVE = 256  # groups of more ranks than this sum over a grid; smaller ones in one all-reduce
-GRID_SIDE = 64
+GRID_ABOVE = 256  # groups of more ranks than this sum through the butterfly; smaller ones in one all-reduce
 
-
-def grid_factors(size: int, above: int | None = None, side: int | None = None) -> tuple[int, ...]:
-    """The sides of the grid over ``size`` ranks, largest divisors first, each at most ``side``
-    (``GRID_SIDE``); () for one all-reduce (``size`` at most ``above``, ``GRID_ABOVE``, or no divisor
-    up to ``side``)."""
-    above = GRID_ABOVE if above is None else above
-    side = GRID_SIDE if side is None else side
-    if size <= above:
-        return ()
-    out, rest = [], size
-    while rest > side:
-        d = next((d for d in range(side, 1, -1) if rest % d == 0), None)
-        if d is None:
-            return ()
-        out.append(d)
-        rest //= d
-    return (*out, rest) if rest > 1 else tuple(out)
+# One step of a rank: the two group indices (sorted) that sum together, and whether this rank adds
+# nothing (the total handed back to a folded rank: it brings zeros to a sum, its own value to a max)
+Step = tuple[tuple[int, int], bool]
 
 
-def grid_axis(factors: tuple[int, ...], index: int, axis: int) -> list[int]:
-    """The indices (row-major over ``factors``) that share every coordinate of ``index`` but ``axis``'s."""
-    stride = 1
-    for f in factors[axis + 1 :]:
-        stride *= f
-    base = index - (index // stride % factors[axis]) * stride
-    return [base + j * stride for j in range(factors[axis])]
+def butterfly_steps(size: int, index: int, above: int | None = None) -> list[Step]:
+    """The steps of index ``index`` in a sum over ``size`` ranks; [] for one all-reduce (``size`` at
+    most ``above``, ``GRID_ABOVE``)."""
+    if size <= (GRID_ABOVE if above is None else above) or size < 2:
+        return []
+    base = 1 << (size.bit_length() - 1)  # the largest power of two up to size
+    if index >= base:  # folded: its row goes to index - base, the total comes back from it
+        pair = (index - base, index)
+        return [(pair, False), (pair, True)]
+    fold: list[Step] = [((index, index + base), False)] if index + base < size else []
+    rounds: list[Step] = []
+    bit = 1
+    while bit < base:
+        rounds.append(((min(index, index ^ bit), max(index, index ^ bit)), False))
+        bit <<= 1
+    return fold + rounds + fold
 
 
-def ring_hops(size: int, above: int | None = None, side: int | None = None) -> int:
-    """Sequential hops of a small ring all-reduce over ``size`` ranks, through the grid where one is used."""
-    return sum(4 * (f - 1) for f in grid_factors(size, above, side) or (size,))
+def ring_hops(size: int, above: int | None = None) -> int:
+    """Sequential hops of a small sum over ``size`` ranks on gloo: 4 (P - 1) for one ring all-reduce,
+    and where the butterfly is used 4 per step (index 0's steps, the most): a step's all-gather sends
+    one message each way, but measured on loopback it took what gloo's two-rank all-reduce (4 hops)
+    takes (``benchmarks/results/check_butterfly.json``), so it is priced as one."""
+    steps = butterfly_steps(size, 0, above)
+    return 4 * len(steps) if steps else 4 * (size - 1)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...base.compat import has_cpu_backend
+from ...base.compat import all_gather_single, has_cpu_backend
 from ...base.torch_dist import default_group
 from ..plan.runs import segments
 from .failures import wait_released
@@ -171,15 +171,39 @@ def _reduce_on_host(
     group has a CPU backend, else through the device. A copy either way: callers reduce the same
     values over several scopes."""
     target = "cpu" if all(has_cpu_backend(g) for g in groups) else device_type
-    if target == "cpu":  # a ring over thousands of ranks: axis by axis over a grid instead
-        groups = [sub for g in groups for sub in check_groups(g)]
     out = values.detach()
     out = out.clone() if out.device.type == target else out.to(target)
     for group in groups:
-        wait_released(dist.all_reduce(out, op=op, group=group, async_op=True), out.device)
-        if op == dist.ReduceOp.SUM and simulated(group):  # every rank of it as this one (MAX is already)
+        # a ring over thousands of ranks: a butterfly of two-rank sums instead (``check_groups``)
+        steps = check_groups(group) if target == "cpu" else [(group, False)]
+        fake = simulated(group)
+        for step, adds_nothing in steps:
+            if adds_nothing and op == dist.ReduceOp.SUM and not fake:  # a folded rank takes the total
+                out.zero_()
+            if step is group:
+                wait_released(dist.all_reduce(out, op=op, group=step, async_op=True), out.device)
+            else:
+                _pair_reduce(out, step, op, fake)
+        if op == dist.ReduceOp.SUM and fake:  # every rank of it as this one (MAX is already)
             out.mul_(dist.get_world_size(group))
     return out if out.device.type == "cpu" else out.cpu()
+
+
+def _pair_reduce(out: Tensor, pair: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, fake: bool) -> None:
+    """``out`` reduced over a butterfly's two-rank group as an all-gather: one message each way, where
+    gloo's ring all-reduce takes four in turn. Both ranks reduce the same two rows in group order,
+    so they hold the same bits. On a fake group nothing moves: ``out`` stays this rank's."""
+    flat = out.view(-1)  # a contiguous copy (``_reduce_on_host``): written through the view
+    both = flat.new_empty(2 * flat.numel())  # concatenated: gloo refuses the stacked form
+    wait_released(all_gather_single(both, flat, group=pair, async_op=True), out.device)
+    if fake:
+        return
+    first, second = both.view(2, -1)
+    if op == dist.ReduceOp.SUM:
+        torch.add(first, second, out=flat)
+    else:
+        assert op == dist.ReduceOp.MAX, op
+        torch.maximum(first, second, out=flat)
 
 
 @functools.cache

@@ -1,14 +1,17 @@
 """Every process group muon_dtensor creates is created here, and cached per default process group,
 so the groups are dropped with it (``destroy_process_group``) and a new one starts afresh.
 
-Creating a group is collective over the default group: each function is called on every rank for
-the same arguments in the same order (while the optimizer builds its sharding, or on a first save).
-The exception: the exchange groups of a mesh of fewer ranks than the world (a pipeline stage's) are
-created by that mesh's ranks alone.
+Two kinds (docs/design.md, "Process groups"). The exchange groups of a mesh of every rank are
+created globally: every rank creates every subgroup, in the same order, while the optimizer builds
+its sharding, and torch names them from its world-wide counter. The others (the check's butterfly
+pairs, a save's group, the exchange groups of a mesh of some ranks, a pipeline stage's) are created
+by their members alone, under a name made of a purpose and the members (``_named``), never from a
+rank's own count of groups, which ranks that joined other groups before do not share.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from collections.abc import Callable
@@ -16,7 +19,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...base.torch_dist import default_group
+from ...base.torch_dist import default_group, named_group
 from ..plan import grid
 
 __all__ = ["check_groups", "exchange_group", "save_group"]
@@ -52,10 +55,9 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
     rows = mesh.mesh.permute(*others, *axes).reshape(-1, math.prod(mesh.size(a) for a in axes)).tolist()
     if mesh.size() < dist.get_world_size():
         # A mesh of some ranks (a pipeline stage's): the other ranks build other optimizers and never
-        # enter new_group for it. Only its members create this rank's group, named by its ranks, so
-        # the counter that names every rank's later groups stays the same on all ranks.
-        mine = sorted(next(r for r in rows if dist.get_rank() in r))
-        return _cached(("local", tuple(mine)), lambda: dist.new_group(mine, use_local_synchronization=True))
+        # enter new_group for it. Only its members create this rank's group, under a name of its
+        # members (``_named``), so neither their histories nor the world's counter enter it.
+        return _named("exchange", sorted(next(r for r in rows if dist.get_rank() in r)))
 
     def create() -> dist.ProcessGroup:
         mine = None
@@ -70,38 +72,32 @@ def exchange_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup
 
 def save_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A gloo group used only by saves: an async save that shares the training group can interleave
-    its collectives with training's and hang; a group of its own cannot (collective on first use)."""
+    its collectives with training's and hang; a group of its own cannot (created on first use by
+    the group's ranks, which every save's ranks are)."""
     if not dist.is_initialized():
         return None
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return _cached(("save", ranks), lambda: dist.new_group(list(ranks), backend="gloo"))
+    return _named("save", sorted(dist.get_process_group_ranks(group or dist.group.WORLD)), "gloo")
 
 
-def check_groups(group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
-    """The groups a small host reduction over ``group`` runs through, in order: ``group`` itself, or
-    above ``grid.GRID_ABOVE`` ranks one subgroup per axis of a grid over its ranks (``grid.py``), so
-    the check's sum takes 4 sum(side - 1) hops of gloo's ring, not 4 (P - 1). The subgroups are
-    created on first use by their members alone (each rank its own, axis by axis): call this on
+def check_groups(group: dist.ProcessGroup) -> list[tuple[dist.ProcessGroup, bool]]:
+    """The steps a small host reduction over ``group`` runs through, in order, each a group and
+    whether this rank adds nothing to it (``grid.Step``): ``group`` itself, or above
+    ``grid.GRID_ABOVE`` ranks the two-rank groups of a butterfly over its ranks (``grid.py``), so the
+    check's sum takes log2 P two-rank all-gathers, not gloo's ring of 4 (P - 1) hops. Each pair is
+    created on first use by its two ranks alone, named from its members (``_named``): call this on
     every rank of ``group`` at the same point, as the check's sum is."""
     size = dist.get_world_size(group)
-    factors = grid.grid_factors(size)
-    if not factors:
-        return [group]
-    ranks = tuple(dist.get_process_group_ranks(group))
-
-    def create() -> list[dist.ProcessGroup]:
-        me = ranks.index(dist.get_rank())
-        members = [sorted(ranks[i] for i in grid.grid_axis(factors, me, a)) for a in range(len(factors))]
-        return [dist.new_group(m, use_local_synchronization=True) for m in members]
-
-    groups = _GRIDS.setdefault(default_group(), {})
-    hit = groups.get(id(group))
-    if hit is None or hit[0] is not group:
-        hit = groups[id(group)] = (group, create())
-    return hit[1]
+    ranks = dist.get_process_group_ranks(group)
+    steps = grid.butterfly_steps(size, ranks.index(dist.get_rank()))
+    if not steps:
+        return [(group, False)]
+    return [(_named("check", sorted(ranks[i] for i in pair)), zero) for pair, zero in steps]
 
 
-# default process group -> {id of a group: (the group, its grid's subgroups)}
-_GRIDS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, tuple[dist.ProcessGroup, list]]] = (
-    weakref.WeakKeyDictionary()
-)
+def _named(purpose: str, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+    """The group of ``ranks`` (sorted global ranks) for ``purpose``, created by its members alone on
+    first use under a name made of the purpose and the members only: the same on every member
+    whatever groups each made before, so no member waits at another store prefix (issue 49)."""
+    digest = hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()
+    name = f"muon_dtensor/{purpose}/{len(ranks)}/{digest}"
+    return _cached(("named", purpose, tuple(ranks)), lambda: named_group(ranks, name, backend))
