@@ -34,7 +34,14 @@ from ..sharding.plan.memory import bucket_sizes
 from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
 from ..sharding.plan.runs import segments
 
-__all__ = ["CHECK_OPS", "CHECK_SCOPE_OPS", "StepShape", "step_ops"]
+__all__ = [
+    "CHECK_OPS",
+    "CHECK_SCOPE_OPS",
+    "PAIR_STEP_OPS_SIMULATED",
+    "StepShape",
+    "butterfly_ops",
+    "step_ops",
+]
 
 NS_FIXED, NS_PER_ITERATION = 4, 4
 MOMENTUM_BUCKET, UPDATE_BUCKET, ADAMW_BUCKET, ADAMW_STEP = 6, 4, 14, 2
@@ -42,6 +49,10 @@ METRICS_ROUND = 11  # the update's sum of squares for Muon.metrics, per round (p
 # step_checks.run, profiled: per scope the head's tensor (4), its sum (2) and its read (2); the
 # flags' tensors only when some rank's gradients differ or are bad (an error follows)
 CHECK_OPS, CHECK_SCOPE_OPS = 8, 8
+# runtime.comm._pair_reduce on a fake group, profiled: a view, the rows' buffer and the all-gather per
+# butterfly step, in place of the one all-reduce (a real group adds the rows' views and the add on
+# the main thread, and the gather's copies on gloo's: not in this count)
+PAIR_STEP_OPS_SIMULATED = 3
 
 
 @dataclass(frozen=True)
@@ -186,3 +197,9 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}
+
+
+def butterfly_ops(steps: int, pair_ops: int = PAIR_STEP_OPS_SIMULATED) -> int:
+    """Ops the check's butterfly (``grid.butterfly_steps``: ``steps`` two-rank steps) issues beyond
+    the one all-reduce ``CHECK_OPS`` counts; 0 where it sums in one all-reduce."""
+    return pair_ops * steps - 1 if steps else 0

@@ -75,9 +75,17 @@ def hardware(args: argparse.Namespace) -> Hardware:
         for flag, (field, unit) in HW_FLAGS.items()
         if getattr(args, flag) is not None
     }
-    if getattr(args, "check_backend", None):
-        overrides["check_backend"] = args.check_backend
+    launch = getattr(args, "check", None) is not None or getattr(args, "rehearse", None) is not None
+    backend = getattr(args, "check_backend", None) or (LAUNCH_CHECK_BACKEND if launch else None)
+    if backend:
+        overrides["check_backend"] = backend
     return Hardware.h200(**overrides)
+
+
+# The check of --check and --rehearse, where the step runs it in torchtitan's "cuda:nccl,cpu:gloo"
+# job: on the group's CPU backend (runtime.comm._reduce_on_host), as the rehearsal's fake groups do,
+# so the rehearsal's collectives are the model's; --check-backend nccl for a job with no CPU backend.
+LAUNCH_CHECK_BACKEND = "gloo"
 
 
 def _hardware_args(p: argparse.ArgumentParser) -> None:
@@ -91,8 +99,10 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-backend",
         choices=("nccl", "gloo"),
-        help="where the step's check all-reduce runs: gloo (a CPU group, as 'cuda:nccl,cpu:gloo') "
-        "costs a ring's hops of 20 us, over a grid above 256 ranks; nccl a collective latency (nccl)",
+        help="where the step's check runs: gloo (a CPU group, as 'cuda:nccl,cpu:gloo') costs a ring's "
+        "hops of 20 us, a butterfly of two-rank steps above 256 ranks; nccl one collective latency "
+        "(default: gloo for --check and --rehearse, where the step runs it in such a job; nccl for the "
+        "cost model's table)",
     )
 
 

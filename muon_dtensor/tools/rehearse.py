@@ -36,12 +36,13 @@ from ..numerics.newton_schulz import orthogonalize
 from ..optim.optimizer import Muon
 from ..planning.costmodel import CURRENT_CPU, Prediction
 from ..planning.hardware import Hardware
-from ..planning.host_ops import StepShape, step_ops
+from ..planning.host_ops import StepShape, butterfly_ops, step_ops
 from ..planning.inputs import format_bytes
 from ..planning.plans import rank_memory
 from ..planning.traffic import rank_traffic
 from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
+from ..sharding.plan.grid import butterfly_steps
 from .configs import meta_model
 from .launch_check import _COLWISE, _ROWWISE, _split, modelled_step
 
@@ -232,7 +233,8 @@ def _predicted_ops(opt: Muon, skip_ns: bool = False) -> int:
                     newton_schulz=not skip_ns,
                 )
                 total += sum(step_ops(d.plan, rank, shape).values())
-    return total
+    # the check's sum over the world: above grid.GRID_ABOVE ranks a butterfly of two-rank steps
+    return total + butterfly_ops(len(butterfly_steps(dist.get_world_size(), dist.get_rank())))
 
 
 class _CountedNS:
@@ -268,9 +270,10 @@ def rehearse(
         raise ValueError("a process group exists already: rehearse in a process of its own")
     say = progress or (lambda line: None)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
+    hw = hw or Hardware.h200(check_backend="gloo")  # a fake group's check runs on the host, as gloo's
     # the job's nodes as torchrun names them, so owners="auto" prices the nodes the model does
     node_env = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str((hw or Hardware.h200()).gpus_per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus_per_node)
     try:
         before = _pg_count()
         layouts = _layouts(meta_model(config), _meshes(gpus, hsdp, tp, ep), head_dim)

@@ -219,3 +219,22 @@ def test_a_set_up_beyond_the_bound_is_refused_at_once(
     err = capsys.readouterr().err
     assert "error:" in err and "first step's set-up is modelled at" in err and "plan --check prices" in err
     assert time.process_time() - start < 5
+
+
+def test_the_launch_modes_price_the_check_where_the_step_runs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Above 256 ranks the check runs on the group's CPU backend as a butterfly of two-rank
+    all-gathers (a "cuda:nccl,cpu:gloo" job; the fake backend alike). --check and --rehearse price it
+    there by default, so the rehearsal's collectives are the model's: priced on nccl, the model said 3
+    where 8B on 8,192 ranks ran 15."""
+    config = _config(tmp_path, TINY)
+    assert cli(["plan", "--rehearse", config, "--gpus", "512", "--skip-ns", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "modelled (H200, the check on gloo)" in out
+    found = re.search(r"\| collectives \| (\d+) \| (\d+) \|", out)
+    assert found is not None and found[1] == found[2] and int(found[1]) >= 9 + 2, out  # 9 steps, 2 exchanges
+    assert cli(["plan", "--check", config, "--gpus", "512"]) == 0
+    assert "the check on gloo): " in capsys.readouterr().out
+    assert cli(["plan", "--check", config, "--gpus", "512", "--check-backend", "nccl"]) == 0
+    assert "the check on nccl): " in capsys.readouterr().out
