@@ -2,8 +2,10 @@
 bytes per element of every 2-D weight over the ranks, and a 768 MiB estimate peaked at 1,424 MiB
 (1.85x). It now counts this rank's shards (parameters, gradients, momentum), the step's transients
 and a fixed part, and the shards are filled in place (``normal_``: no temporary of their size).
-Measured in a fresh interpreter: the peak resident set a rehearsal adds (``ru_maxrss``, after a tiny
-rehearsal has loaded what every rehearsal loads) is within 1.2x of the bound, both ways."""
+Measured in a fresh interpreter: the peak resident set a rehearsal reaches (``ru_maxrss``) above the
+resident set before it (after a tiny rehearsal has loaded what every rehearsal loads, and its freed
+heap went back to the system: else the large one reuses it unseen and the peak rises by nothing)
+is within 1.2x of the bound, both ways."""
 
 from __future__ import annotations
 
@@ -21,13 +23,16 @@ CONFIG = {
     "num_attention_heads": 8, "num_key_value_heads": 2,
 }  # fmt: skip
 PROBE = """
-import json, resource, sys
+import ctypes, gc, json, resource, sys
 import torch
 torch.set_num_threads(1)
 from muon_dtensor.tools.rehearse import rehearse
 tiny = dict(json.loads(sys.argv[1]), hidden_size=64, intermediate_size=160, num_hidden_layers=2)
 rehearse(tiny, 4, 1, skip_ns=True, steps=1)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+gc.collect()
+ctypes.CDLL(None).malloc_trim(0)  # the tiny run's freed heap back to the system: the base is what lives
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * resource.getpagesize()
 found = rehearse(json.loads(sys.argv[1]), int(sys.argv[2]), 1, skip_ns=True, steps=1)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"added": peak - base, "bound": found.memory_bound}))
