@@ -2,10 +2,11 @@
 bytes per element of every 2-D weight over the ranks, and a 768 MiB estimate peaked at 1,424 MiB
 (1.85x). It now counts this rank's shards (parameters, gradients, momentum), the step's transients
 and a fixed part, and the shards are filled in place (``normal_``: no temporary of their size).
-Measured in a fresh interpreter: the peak resident set a rehearsal reaches (``ru_maxrss``) above the
-resident set before it (after a tiny rehearsal has loaded what every rehearsal loads, and its freed
-heap went back to the system: else the large one reuses it unseen and the peak rises by nothing)
-is within 1.2x of the bound, both ways."""
+Measured in a fresh interpreter: the peak resident set a rehearsal reaches (``VmHWM``, reset through
+``/proc/self/clear_refs``) above the resident set before it (after a tiny rehearsal has loaded what
+every rehearsal loads, and its freed heap went back to the system: else the large one reuses it
+unseen) is within 1.2x of the bound, both ways. Not ``ru_maxrss``: Linux keeps it across exec, so in a
+subprocess of a large pytest session it reads the session's resident set (1.5 GB in CI's run)."""
 
 from __future__ import annotations
 
@@ -23,19 +24,26 @@ CONFIG = {
     "num_attention_heads": 8, "num_key_value_heads": 2,
 }  # fmt: skip
 PROBE = """
-import ctypes, gc, json, resource, sys
+import ctypes, gc, json, sys
 import torch
 torch.set_num_threads(1)
 from muon_dtensor.tools.rehearse import rehearse
+
+
+def status(field):  # kB in /proc/self/status: this process's own memory, since its exec
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 tiny = dict(json.loads(sys.argv[1]), hidden_size=64, intermediate_size=160, num_hidden_layers=2)
 rehearse(tiny, 4, 1, skip_ns=True, steps=1)
 gc.collect()
 ctypes.CDLL(None).malloc_trim(0)  # the tiny run's freed heap back to the system: the base is what lives
-with open("/proc/self/statm") as f:
-    base = int(f.read().split()[1]) * resource.getpagesize()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) restarts from the resident set now
+base = status("VmRSS")
 found = rehearse(json.loads(sys.argv[1]), int(sys.argv[2]), 1, skip_ns=True, steps=1)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"added": peak - base, "bound": found.memory_bound}))
+print(json.dumps({"added": status("VmHWM") - base, "bound": found.memory_bound}))
 """
 
 
