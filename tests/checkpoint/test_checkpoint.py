@@ -44,21 +44,34 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     return get
 
 
-@pytest.mark.parametrize(
-    ("saved_on", "resumed_on"),
-    [
-        ("fsdp2", "fsdp2"),
-        ("fsdp4", "fsdp2"),
-        ("fsdp2", "fsdp4"),
-        ("fsdp2", "fsdp1"),
-        ("fsdp1", "fsdp2"),
-        ("fsdp4", "hsdp"),
-    ],
-)
+LAYOUT_PAIRS = [
+    ("fsdp2", "fsdp2"),
+    ("fsdp4", "fsdp2"),
+    ("fsdp2", "fsdp4"),
+    ("fsdp2", "fsdp1"),
+    ("fsdp1", "fsdp2"),
+    ("fsdp4", "hsdp"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved_on", "resumed_on"), LAYOUT_PAIRS)
 def test_resume_on_any_layout(saved: Saved, saved_on: str, resumed_on: str) -> None:
     """Gradients here are the same full tensors on every layout, so every run is bitwise the
     one-process run: momentum after load equals the saved momentum bitwise, AdamW step counters
     survive, and the resumed run ends bitwise where the uninterrupted one ends."""
+    _resumes_bitwise(saved, saved_on, resumed_on)
+
+
+# The fast tier's share: one checkpoint (2 ranks) resumed on more ranks and on fewer; the three
+# other saves (1 and 4 ranks) and the same-size and HSDP resumes are the slow test's.
+@pytest.mark.sample_of("test_resume_on_any_layout")
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [("fsdp2", "fsdp4"), ("fsdp2", "fsdp1")])
+def test_resume_on_more_and_on_fewer_ranks(saved: Saved, saved_on: str, resumed_on: str) -> None:
+    _resumes_bitwise(saved, saved_on, resumed_on)
+
+
+def _resumes_bitwise(saved: Saved, saved_on: str, resumed_on: str) -> None:
     root, state = saved(saved_on)
     layout = "hsdp" if resumed_on == "hsdp" else "fsdp"
     resumed = run_ranks(resume_and_finish, RANKS[resumed_on], layout, root, TOTAL)

@@ -31,6 +31,7 @@ import itertools
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         pool = None
     pool = _POOLS[world_size] = pool or _Pool(world_size)
     try:
+        pool.signal(signal.SIGCONT)
         values, threads, failed = pool.run(
             f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout
         )
@@ -75,6 +77,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if threads > MAX_THREADS or failed:
         _POOLS.pop(world_size, None)
         pool.close()
+    else:
+        pool.signal(signal.SIGSTOP)  # idle until its next call: no gloo loop thread polls meanwhile
     return values
 
 
@@ -126,6 +130,7 @@ class _Pool:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 pass_fds=reads,
+                process_group=0,  # the launcher and its workers: one group to stop and continue
             )
         for fd in reads:
             os.close(fd)
@@ -205,7 +210,13 @@ class _Pool:
             parts.append(f"--- rank {r} stderr ({state}) ---\n{data[-3000:].decode(errors='replace')}")
         return "\n".join(parts)
 
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the launcher and its workers (SIGSTOP between calls, SIGCONT before)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.launcher.pid, signum)
+
     def close(self, kill: bool = False) -> None:
+        self.signal(signal.SIGCONT)  # a stopped worker would never read its EOF
         for p in self.procs:
             if not p.stdin.closed:
                 with contextlib.suppress(BrokenPipeError):

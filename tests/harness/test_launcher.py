@@ -48,6 +48,7 @@ def test_ranks_are_forked_from_one_launcher_that_imported_torch() -> None:
     assert all(r[3] for r in ranks)
 
 
+@pytest.mark.slow  # an interpreter per rank: torch imported twice more
 def test_one_interpreter_per_rank_gives_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(testing, "FORK", False)
     ranks = run_ranks(who, 2)
@@ -66,6 +67,7 @@ def test_a_hanging_rank_dies_with_its_launcher(tmp_path: Path) -> None:
     assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", "the hanging rank outlived the call"
 
 
+@pytest.mark.slow  # two more launchers (another environment, another thread): torch imported again
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_own(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path

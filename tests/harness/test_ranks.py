@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.harness import ranks
 from tests.harness.ranks import GRACE, RankError, run_ranks
 
 
@@ -53,7 +55,35 @@ def test_every_task_starts_from_the_same_rng_state() -> None:
     assert torch.equal(first, expected) and torch.equal(second, expected)
 
 
+def test_a_pool_sleeps_between_calls_and_wakes_for_the_next() -> None:
+    """Between calls the pool's processes are stopped (state T), so no gloo loop thread of theirs
+    polls while the session runs other tests; the next call continues them and gets the same ranks."""
+    first = run_ranks(pid, 2)
+    if 2 not in ranks._POOLS:  # retired after the call (earlier tests' groups): the next one is fresh
+        first = run_ranks(pid, 2)
+    deadline = time.monotonic() + 10  # a signal is delivered when the process is next scheduled
+    while {_state(p) for p in first} != {"T"} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert {_state(p) for p in first} == {"T"}, [(p, _state(p)) for p in first]
+    again = run_ranks(pid_and_group_sum, 2)
+    assert [p for p, _ in again] == first  # the same pool, awake again
+    assert [s for _, s in again] == [1.0, 1.0]
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 # Rank functions (run by tests.harness.ranks in every rank of the pool).
+
+
+def pid_and_group_sum() -> tuple[int, float]:
+    """This worker's pid and the sum of one 1/world per rank over a fresh group (its sockets
+    survive the pool's stop and continue)."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    value = torch.full((1,), 1.0 / dist.get_world_size())
+    dist.all_reduce(value, group=group)
+    return os.getpid(), float(value)
 
 
 def pid() -> int:
