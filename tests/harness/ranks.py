@@ -130,7 +130,7 @@ class _Pool:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 pass_fds=reads,
-                process_group=0,  # the launcher and its workers: one group to stop and continue
+                start_new_session=True,  # the launcher and its workers: one group to stop and continue
             )
         for fd in reads:
             os.close(fd)
