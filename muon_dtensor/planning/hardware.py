@@ -12,7 +12,14 @@ from typing import Any
 
 from ..sharding.plan.grid import butterfly_steps, ring_hops
 
-__all__ = ["GLOO_HOP_SECONDS", "Hardware", "check_collectives", "check_seconds", "fit_latency_bandwidth"]
+__all__ = [
+    "GLOO_HOP_SECONDS",
+    "GLOO_PAIR_STEP_SECONDS",
+    "Hardware",
+    "check_collectives",
+    "check_seconds",
+    "fit_latency_bandwidth",
+]
 
 
 @dataclass(frozen=True)
@@ -121,18 +128,22 @@ def fit_latency_bandwidth(pairs: Sequence[tuple[float, float]]) -> tuple[float, 
 # A hop's time: the best 2-rank all-reduce over loopback (4 hops) in
 # benchmarks/results/check_allreduce.json, a quarter of 81 us; across nodes a TCP hop is no faster.
 GLOO_HOP_SECONDS = 20e-6
+# A step of the check's butterfly (``grid.py``: the library's two-rank all-gather and add) took 0.79 of
+# the two-rank all-reduce, best against best, side by side in each of two runs
+# (benchmarks/results/check_pairs_2ranks_cached*.json): 0.79 of the all-reduce's 4 hops, 63 us.
+GLOO_PAIR_STEP_SECONDS = 0.79 * 4 * GLOO_HOP_SECONDS
 
 
 def check_seconds(hw: Hardware, ranks: int) -> float:
-    """The step's check, a small sum over ``ranks`` ranks: on gloo ``grid.ring_hops`` hops of
-    ``GLOO_HOP_SECONDS`` (a ring's 4 (P - 1) up to ``grid.GRID_ABOVE`` ranks, then a butterfly of
-    two-rank all-gathers, log2 P steps priced as 4 hops each: 52 hops or 1.04 ms at 8,192 ranks where
-    one ring would be 0.66 s); on
-    NCCL one ``collective_latency`` (an assumption, not measured here)."""
+    """The step's check, a small sum over ``ranks`` ranks: on gloo a ring of ``grid.ring_hops``
+    hops of ``GLOO_HOP_SECONDS`` up to ``grid.GRID_ABOVE`` ranks, then ``GLOO_PAIR_STEP_SECONDS`` per
+    step of a butterfly of two-rank all-gathers (log2 P steps: 0.82 ms at 8,192 ranks, where one
+    ring would be 0.66 s); on NCCL one ``collective_latency`` (an assumption, not measured here)."""
     if ranks <= 1:
         return 0.0
     if hw.check_backend == "gloo":
-        return ring_hops(ranks) * GLOO_HOP_SECONDS
+        steps = len(butterfly_steps(ranks, 0))
+        return steps * GLOO_PAIR_STEP_SECONDS if steps else ring_hops(ranks) * GLOO_HOP_SECONDS
     return hw.collective_latency
 
 

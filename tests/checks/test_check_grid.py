@@ -1,8 +1,9 @@
 """The check's sum over many ranks runs as a butterfly of two-rank sums (``sharding/plan/grid.py``,
 ``runtime.groups.check_groups``): gloo's ring all-reduce takes 4 (P - 1) hops, so at 8,192 ranks one
 sum is 32,764 hops (0.66 s at 20 us a hop, ``benchmarks/results/check_allreduce.json``), the
-butterfly's 13 steps (a two-rank all-gather each, priced as 4 hops: 52). The butterfly is forced on 3 and 4 gloo ranks here: the step is bitwise the flat
-one's, and a rank that differs still raises on every rank.
+butterfly's 13 steps (a two-rank all-gather each, priced as measured beside the two-rank all-reduce:
+0.79 of its 4 hops). The butterfly is forced on 3 and 4 gloo ranks here: the step is bitwise the
+flat one's, and a rank that differs still raises on every rank.
 
 Regression (issue 49): the grid before it created its lines with
 ``dist.new_group(members, use_local_synchronization=True)``, which torch names from the number of
@@ -25,7 +26,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from muon_dtensor import Muon
-from muon_dtensor.planning.hardware import GLOO_HOP_SECONDS, Hardware, check_collectives, check_seconds
+from muon_dtensor.planning.hardware import (
+    GLOO_HOP_SECONDS,
+    GLOO_PAIR_STEP_SECONDS,
+    Hardware,
+    check_collectives,
+    check_seconds,
+)
 from muon_dtensor.sharding.plan import grid
 from muon_dtensor.sharding.runtime import groups
 from muon_dtensor.testing import run_ranks as fresh_ranks
@@ -38,8 +45,8 @@ def test_butterfly_steps() -> None:
     assert grid.butterfly_steps(256, 0) == []  # one all-reduce up to GRID_ABOVE
     assert len(grid.butterfly_steps(8192, 0)) == 13 and len(grid.butterfly_steps(1024, 5)) == 10
     assert grid.butterfly_steps(8192, 5)[0] == ((4, 5), False)  # bit 0 first
-    assert grid.ring_hops(8192) == 4 * 13 and grid.ring_hops(1024) == 40 and grid.ring_hops(256) == 4 * 255
-    assert grid.ring_hops(8191) == 4 * (12 + 2)  # not a power of two: folded in and out, no ring
+    assert grid.ring_hops(256) == 4 * 255 and grid.ring_hops(2) == 4
+    assert len(grid.butterfly_steps(8191, 0)) == 12 + 2  # not a power of two: folded in and out, no ring
     assert grid.butterfly_steps(1000, 999) == [((487, 999), False), ((487, 999), True)]  # folded
     assert grid.butterfly_steps(1000, 487)[0] == grid.butterfly_steps(1000, 487)[-1] == ((487, 999), False)
 
@@ -71,8 +78,11 @@ def test_butterfly_gives_every_rank_the_total(op: Any) -> None:
 
 def test_check_priced_per_backend() -> None:
     gloo, nccl = Hardware.h200(check_backend="gloo"), Hardware.h200()
-    assert check_seconds(gloo, 8192) == pytest.approx(52 * GLOO_HOP_SECONDS)
+    assert check_seconds(gloo, 8192) == pytest.approx(13 * GLOO_PAIR_STEP_SECONDS)
+    assert check_seconds(gloo, 8191) == pytest.approx(14 * GLOO_PAIR_STEP_SECONDS)
     assert check_seconds(gloo, 256) == pytest.approx(4 * 255 * GLOO_HOP_SECONDS)  # linear up to the butterfly
+    # a step as measured: less than the two-rank all-reduce it was timed beside (4 hops)
+    assert GLOO_PAIR_STEP_SECONDS < 4 * GLOO_HOP_SECONDS
     assert check_seconds(nccl, 8192) == nccl.collective_latency
     assert check_collectives(gloo, 8192) == 13 and check_collectives(nccl, 8192) == 1
 
@@ -156,3 +166,29 @@ def _stage_exchange() -> Any:
 def test_a_stage_exchange_group_is_named_by_its_members() -> None:
     results = fresh_ranks(_stage_exchange, 4, timeout=TIMEOUT)
     assert results == [([0, 1], 3.0), ([0, 1], 3.0), ([2, 3], 7.0), ([2, 3], 7.0)]
+
+
+def test_the_steps_are_kept_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank of a fake world of 1,024: the steps are worked out once per group (the P ranks read
+    once, not on every sum of every step) and again only when ``GRID_ABOVE`` changes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=700, world_size=1024)
+    try:
+        world = dist.group.WORLD
+        assert world is not None
+        first = groups.check_groups(world)
+        assert [sorted(dist.get_process_group_ranks(g)) for g, _ in first][:2] == [[700, 701], [700, 702]]
+        reads: list[int] = []
+        real = dist.get_process_group_ranks
+
+        def counted(group: Any) -> list[int]:
+            reads.append(1)
+            return real(group)
+
+        monkeypatch.setattr(dist, "get_process_group_ranks", counted)
+        assert groups.check_groups(world) is first and not reads
+        monkeypatch.setattr(grid, "GRID_ABOVE", 1024)
+        assert groups.check_groups(world) == [(world, False)] and reads == [1]
+    finally:
+        dist.destroy_process_group()

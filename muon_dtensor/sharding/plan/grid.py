@@ -3,11 +3,12 @@ twice around a ring of P ranks (``gloo/allreduce.cc``), 4 (P - 1) sequential hop
 over 8,192 ranks would take 32,764 hops. Above ``GRID_ABOVE`` ranks it runs as a butterfly
 (recursive doubling) of two-rank sums instead: in step k a rank sums with the rank whose index differs
 in bit k, so after log2 P steps every rank holds the sum of every row. Each step is an all-gather of
-the two rows (one message each way; ``runtime.comm``), 13 steps at 8,192 ranks, each priced as a
-two-rank all-reduce (``ring_hops``). A rank count that is not a power of two folds its last ``P - 2**k`` ranks into the first ones
-before and hands them the total after: two steps more. Every rank ends with the same integers, and
+the two rows (one message each way; ``runtime.comm``), 13 steps at 8,192 ranks, each priced as
+measured (``planning.hardware.GLOO_PAIR_STEP_SECONDS``). A rank count that is not a power of two
+folds its last ``P - 2**k`` ranks into the first ones before and hands them the total after: two
+steps more. Every rank ends with the same integers, and
 with the same bits for floats too (each step adds the same two values, in either order).
-Pure: ``runtime.groups.check_groups`` creates the groups, ``planning`` prices the hops."""
+Pure: ``runtime.groups.check_groups`` creates the groups, ``planning`` prices the steps."""
 
 from __future__ import annotations
 
@@ -38,10 +39,7 @@ def butterfly_steps(size: int, index: int, above: int | None = None) -> list[Ste
     return fold + rounds + fold
 
 
-def ring_hops(size: int, above: int | None = None) -> int:
-    """Sequential hops of a small sum over ``size`` ranks on gloo: 4 (P - 1) for one ring all-reduce,
-    and where the butterfly is used 4 per step (index 0's steps, the most): a step's all-gather sends
-    one message each way, but measured on loopback it took what gloo's two-rank all-reduce (4 hops)
-    takes (``benchmarks/results/check_butterfly.json``), so it is priced as one."""
-    steps = butterfly_steps(size, 0, above)
-    return 4 * len(steps) if steps else 4 * (size - 1)
+def ring_hops(size: int) -> int:
+    """Sequential hops of gloo's ring all-reduce of a few integers over ``size`` ranks, 4 (P - 1):
+    the check's sum up to ``GRID_ABOVE`` ranks, where it takes no butterfly."""
+    return 4 * (size - 1)
