@@ -2,9 +2,10 @@
 first step (set-up included) and a steady step, one rank of a fake world (torch's ``fake``
 backend, one process), 2 layers of 7 matrices (q, k, v, o, w1, w3, w2 shapes scaled down).
 
-A *stay* is a call into a module other than the caller's (the caller: the nearest frame of the
-package on the stack; torch's frames in between are skipped); a *room* is a module entered at
-least once; a *return* is a stay in a room entered before (stays - rooms). *Edges* are the distinct
+*Calls* counts every call of one of the package's functions. A *stay* is a call into a module
+other than the caller's (the caller: the nearest frame of the package on the stack; torch's frames
+in between are skipped); a *room* is a module entered at least once; a *return* is a stay in a room
+entered before (stays - rooms). *Edges* are the distinct
 (calling function, called function) pairs that cross modules, the count a reading of the code
 gives. *Hops* are the package's frames on the stack, from ``Muon.step`` down to the update
 (``numerics.elementwise.apply_updates``), on the steady step. Counts, not times: the host's load
@@ -54,6 +55,7 @@ class Walk:
 
     def __init__(self) -> None:
         self.stays: list[str] = []
+        self.calls = 0  # every call of a function of the package
         self.edges: set[tuple[str, str]] = set()
         self.hops: int | None = None
         self.before_update: int | None = None
@@ -64,6 +66,7 @@ class Walk:
         module = _module(frame)
         if not module.startswith(PACKAGE):
             return
+        self.calls += 1
         caller = _caller(frame)
         if self.hops is None and (module, frame.f_code.co_name) == UPDATE:
             self.hops, self.before_update = _depth(frame), len(self.stays)
@@ -79,6 +82,7 @@ class Walk:
         into = Counter(callee.rsplit(".", 1)[0] for _, callee in self.edges)
         short = {m: m.removeprefix(PACKAGE + ".") for m in rooms}
         return {
+            "calls": self.calls,
             "rooms": len(rooms),
             "stays": len(self.stays),
             "returns": len(self.stays) - len(rooms),
@@ -191,16 +195,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
-        "| layout | call | rooms | stays | returns | edges | param_layout stays (edges) "
+        "| layout | call | calls | rooms | stays | returns | edges | param_layout stays (edges) "
         "| state stays (edges) | hops to the update | stays before it |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         for step in ("construct", "first", "steady"):
             w = r[step]
             pl, st = "sharding.plan.param_layout", "optim.state"
             print(
-                f"| {r['layout']} | {step} | {w['rooms']} | {w['stays']} | {w['returns']} | {w['edges']} "
+                f"| {r['layout']} | {step} | {w['calls']} | {w['rooms']} | {w['stays']} | {w['returns']} | {w['edges']} "
                 f"| {w['stays_per_room'].get(pl, 0)} ({w['edges_into_room'].get(pl, 0)}) "
                 f"| {w['stays_per_room'].get(st, 0)} ({w['edges_into_room'].get(st, 0)}) "
                 f"| {w['hops_to_update']} | {w['stays_before_update']} |"

@@ -54,15 +54,13 @@ class ParamLayout:
     group: dist.ProcessGroup | None
     replica_of: tuple[int, ...] | None = None
     members: tuple[int, ...] = ()  # the group's global ranks, for a layout planned without its group
+    # plain fields, not properties: the plans read them for every parameter without a call back here
+    group_size: int = field(init=False, compare=False)
+    key: tuple = field(init=False, compare=False)  # equal keys share an exchange group (and a plan)
 
-    @property
-    def group_size(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def key(self) -> tuple:
-        """Parameters with equal keys share an exchange group (and a plan)."""
-        return (self.group, self.group_size, self.members)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_size", len(self.blocks))
+        object.__setattr__(self, "key", (self.group, len(self.blocks), self.members))
 
 
 @dataclass(frozen=True)
