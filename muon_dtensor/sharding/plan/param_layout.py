@@ -28,7 +28,6 @@ __all__ = [
     "ParamLayout",
     "describe",
     "relayout",
-    "replica_count",
     "row_state_zeros",
     "block_state_zeros",
     "local_grad",
@@ -71,7 +70,6 @@ class LayoutRecord:
     whose ranks exchange its blocks (the sharded ones, or every axis when it is replicated
     everywhere); ``blocks`` is each of their ranks' block, row-major over ``axes``."""
 
-    name: str
     mesh: DeviceMesh | None
     mesh_shape: tuple[int, ...]
     placements: tuple[Placement, ...]
@@ -89,9 +87,7 @@ def read_layout(p: Tensor, name: str) -> LayoutRecord:
     rank is not part of. Blocks tuples are shared by the parameters of one layout (``blocks.py``)."""
     shape = tuple(int(s) for s in p.shape)
     if not isinstance(p, DTensor):
-        return LayoutRecord(
-            name, None, (), (), shape, shape, math.prod(shape), (), 1, (), (full_block(shape),)
-        )
+        return LayoutRecord(None, (), (), shape, shape, math.prod(shape), (), 1, (), (full_block(shape),))
     mesh = p.device_mesh
     if mesh.get_coordinate() is None:
         raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
@@ -104,7 +100,7 @@ def read_layout(p: Tensor, name: str) -> LayoutRecord:
     local = tuple(int(s) for s in local_tensor(p).shape)
     placements = tuple(p.placements)
     return LayoutRecord(
-        name, mesh, mesh_shape, placements, shape, local, math.prod(local), shards, replicas, axes, blocks
+        mesh, mesh_shape, placements, shape, local, math.prod(local), shards, replicas, axes, blocks
     )
 
 
@@ -252,19 +248,6 @@ def check_placements(p: Tensor, name: str) -> None:
     if p.device_mesh.get_coordinate() is None:
         raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
     _shards(p, name)
-
-
-def replica_count(p: Tensor) -> int:
-    """How many replicas of ``p`` a mesh holds: the product of its Replicate axes' sizes when some
-    axis shards ``p`` (HSDP), else 1 (plain tensors, fully replicated or unsupported placements)."""
-    if not isinstance(p, DTensor):
-        return 1
-    try:
-        sharded = {s.axis for s in _shards(p, "")}
-    except ValueError:
-        return 1  # layout_of raises the error, naming the parameter
-    mesh = p.device_mesh
-    return math.prod(mesh.size(a) for a in range(mesh.ndim) if a not in sharded) if sharded else 1
 
 
 def describe(
