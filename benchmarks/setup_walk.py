@@ -42,6 +42,10 @@ def _module(frame: FrameType) -> str:
     return str(frame.f_globals.get("__name__", ""))
 
 
+def _qualname(frame: FrameType) -> str:
+    return str(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))  # co_qualname: Python 3.11+
+
+
 def _caller(frame: FrameType) -> FrameType | None:
     """The nearest frame of the package above ``frame`` (torch's decorators and hooks skipped)."""
     back = frame.f_back
@@ -73,8 +77,7 @@ class Walk:
         if caller is None or _module(caller) != module:
             self.stays.append(module)
             if caller is not None:
-                where = f"{_module(caller)}.{caller.f_code.co_qualname}"
-                self.edges.add((where, f"{module}.{frame.f_code.co_qualname}"))
+                self.edges.add((f"{_module(caller)}.{_qualname(caller)}", f"{module}.{_qualname(frame)}"))
 
     def summary(self) -> dict[str, Any]:
         rooms = list(dict.fromkeys(self.stays))
