@@ -14,14 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checks.together import raise_together
 from ..sharding.plan.domains import Domain, ViewOptions, build_domain, group_members
-from ..sharding.plan.param_layout import (
-    ParamLayout,
-    check_placements,
-    describe,
-    exchange_axes,
-    local_of,
-    replica_count,
-)
+from ..sharding.plan.param_layout import LayoutRecord, ParamLayout, describe, local_of, read_layout
 from ..sharding.plan.views import View, holds_first_column, matrix_views
 from ..sharding.runtime.groups import exchange_group
 from .policy import SplitPolicy, owner_meshes
@@ -32,26 +25,26 @@ NO_SPLIT = SplitPolicy()
 
 
 def layout_of(
-    p: Tensor,
+    p: Tensor | LayoutRecord,
     name: str,
     ddp_group: dist.ProcessGroup | None = None,
     *,
     across: bool = False,
     planned: bool = False,
 ) -> ParamLayout:
-    """The layout of ``p``, creating its exchange group on first use (collective: every rank calls
-    this for the same parameters in the same order). ``ddp_group`` serves plain tensors. ``across``:
-    owners over the whole mesh, so a parameter with replicas (HSDP) exchanges over all its ranks.
-    ``planned``: no group is created (a report on one rank: ``param_layout.describe``)."""
-    if not isinstance(p, DTensor):
-        return describe(p, name, ddp_group)
-    check_placements(p, name)
-    mesh = p.device_mesh
-    across = across and replica_count(p) > 1
-    axes = exchange_axes(p, name, across)
-    many = math.prod(mesh.size(a) for a in axes) > 1
-    group = exchange_group(mesh, axes) if many and not planned else None
-    return describe(p, name, group, across, planned)
+    """The layout of ``p`` (its record, or the tensor, read here), creating its exchange group on
+    first use (collective: every rank calls this for the same parameters in the same order).
+    ``ddp_group`` serves plain tensors. ``across``: owners over the whole mesh, so a parameter with
+    replicas (HSDP) exchanges over all its ranks. ``planned``: no group is created (a report on one
+    rank: ``param_layout.describe``)."""
+    record = p if isinstance(p, LayoutRecord) else read_layout(p, name)
+    if record.mesh is None:
+        return describe(record, name, ddp_group)
+    across = across and record.replicas > 1
+    axes = tuple(range(len(record.mesh_shape))) if across else record.axes
+    many = math.prod(record.mesh_shape[a] for a in axes) > 1
+    group = exchange_group(record.mesh, axes) if many and not planned else None
+    return describe(record, name, group, across, planned)
 
 
 class GroupSharding:
@@ -74,19 +67,24 @@ class GroupSharding:
     ) -> None:
         self.layouts: list[ParamLayout] = []
         self.views: list[list[View]] = []
-        self.decided = not (local and owners == "auto" and any(replica_count(p) > 1 for p in params))
+        # each parameter's layout facts, read once here (None where they are refused, in ``errors``)
+        self.records, errors = _read_records(params, names)
+        read = [r for r in self.records if r is not None]
+        self.decided = not (local and owners == "auto" and any(r.replicas > 1 for r in read))
         # where HSDP parameters take their owners, and why (``describe`` prints ``owner_choices``)
         self.across, self.owner_choices = owner_meshes(
-            params, "replica" if local and owners == "auto" else owners, vars(options)
+            read, "replica" if local and owners == "auto" else owners, vars(options)
         )
         error: ValueError | None = None
-        for i, (p, name) in enumerate(zip(params, names)):
+        for i, (record, name) in enumerate(zip(self.records, names)):
             try:
-                across = isinstance(p, DTensor) and p.device_mesh in self.across
-                layout = layout_of(p, name, ddp_group, across=across, planned=local)
-                views = matrix_views(p.shape, layout.blocks, layout.rank, name=name, **vars(options))
+                if record is None:
+                    raise errors[i]
+                across = record.mesh is not None and record.mesh in self.across
+                layout = layout_of(record, name, ddp_group, across=across, planned=local)
+                views = matrix_views(record.shape, layout.blocks, layout.rank, name=name, **vars(options))
                 if options.lead and views:
-                    _check_second_moment(p, second_moments[i], layout, name)
+                    _check_second_moment(record, second_moments[i], layout, name)
                 self.layouts.append(layout)
                 self.views.append(views)
             except ValueError as e:
@@ -109,11 +107,26 @@ class GroupSharding:
         ]
 
 
-def _check_second_moment(p: Tensor, v: Tensor | None, layout: ParamLayout, name: str) -> None:
+def _read_records(
+    params: Sequence[Tensor], names: Sequence[str]
+) -> tuple[list[LayoutRecord | None], dict[int, ValueError]]:
+    """Each parameter's record, and by position the errors of those whose layout is refused."""
+    records: list[LayoutRecord | None] = []
+    errors: dict[int, ValueError] = {}
+    for i, (p, name) in enumerate(zip(params, names)):
+        try:
+            records.append(read_layout(p, name))
+        except ValueError as e:
+            records.append(None)
+            errors[i] = e
+    return records, errors
+
+
+def _check_second_moment(record: LayoutRecord, v: Tensor | None, layout: ParamLayout, name: str) -> None:
     """NorMuon's state must sit where the views put it: the parameter's local rows, one column on
     the ranks that hold the parameter's column 0, none elsewhere (as ``state.init_state`` makes it)."""
     holds = holds_first_column(layout.blocks[layout.rank])
-    want = (*local_of(p).shape[:-1], 1 if holds else 0)
+    want = (*record.local_shape[:-1], 1 if holds else 0)
     got = tuple(local_of(v).shape) if v is not None else None
     if got != want and (got is None or 0 not in got or 0 not in want):  # two empty pieces agree
         raise ValueError(

@@ -96,29 +96,40 @@ class Muon(report.Reports, Optimizer):
         capturable: bool = False,
         orthogonalize_fn: Orthogonalize = orthogonalize,
     ) -> None:
+        given = {  # the arguments as a param group holds them (``_muon_defaults`` normalizes the dtypes)
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_algorithm": ns_algorithm,
+            "mode": mode,
+            "max_round_bytes": max_round_bytes,
+            "owners": owners,
+            "ns_split": ns_split,
+            "capturable": capturable,
+            "ns_dtype": ns_dtype,
+            "momentum_dtype": momentum_dtype,
+        }
+        self._construct(params, given, process_group, step_group, orthogonalize_fn)
+
+    def _construct(
+        self,
+        params: ParamsT,
+        given: dict[str, Any],
+        process_group: ProcessGroup | None,
+        step_group: ProcessGroup | DeviceMesh | None,
+        orthogonalize_fn: Orthogonalize,
+    ) -> None:
+        """``__init__``'s work: the defaults checked, the optimizer's parts, torch's constructor. With
+        a ``step_group``, a failure on one rank is raised on every rank (``agree_step_group``)."""
         error: Exception | None = None
         self._wrong_matrices = WrongMatrixScan(params)  # before the generator is read (api.md)
-        try:  # with a step_group, a local failure is raised on every rank (agree_step_group)
-            defaults = _muon_defaults(
-                {
-                    "lr": lr,
-                    "weight_decay": weight_decay,
-                    "momentum": momentum,
-                    "nesterov": nesterov,
-                    "ns_coefficients": ns_coefficients,
-                    "eps": eps,
-                    "ns_steps": ns_steps,
-                    "adjust_lr_fn": adjust_lr_fn,
-                    "ns_algorithm": ns_algorithm,
-                    "mode": mode,
-                    "max_round_bytes": max_round_bytes,
-                    "owners": owners,
-                    "ns_split": ns_split,
-                    "capturable": capturable,
-                    "ns_dtype": ns_dtype,
-                    "momentum_dtype": momentum_dtype,
-                }
-            )
+        try:
+            defaults = _muon_defaults(given)
             validation.check_process_group(process_group)
             validation.check_step_group(step_group)
             self._process_group = process_group

@@ -25,15 +25,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ..planning.costmodel import compare_owners
 from ..planning.hardware import Hardware
 from ..planning.split import plan_splits
 from ..sharding.plan.owners import mesh_entries
-from ..sharding.plan.param_layout import replica_count
+from ..sharding.plan.param_layout import LayoutRecord
 from ..sharding.runtime.comm import sum_over_mesh
 
 __all__ = ["OwnerChoice", "SplitPolicy", "node_size", "owner_meshes", "split_policy"]
@@ -81,7 +79,7 @@ class OwnerChoice:
 
 
 def _mesh_pays(
-    params: Sequence[Tensor],
+    records: Sequence[LayoutRecord],
     mesh: DeviceMesh,
     view_options: Mapping[str, Any],
     prices: dict[DeviceMesh, tuple[float, float]],
@@ -89,7 +87,7 @@ def _mesh_pays(
     """Whether the cost model predicts a shorter step with owners over ``mesh`` than per replica
     (H200 figures, the default exchange rounds, this node size); the two prices go in ``prices``."""
     try:
-        entries = mesh_entries(params, mesh, view_options)
+        entries = mesh_entries(records, mesh, view_options)
     except ValueError:
         return False  # layout_of raises the same error on every rank, naming the parameter
     per_node = node_size(mesh.device_type)
@@ -101,16 +99,13 @@ def _mesh_pays(
 
 
 def owner_meshes(
-    params: Sequence[Tensor], owners: str, view_options: Mapping[str, Any]
+    records: Sequence[LayoutRecord], owners: str, view_options: Mapping[str, Any]
 ) -> tuple[frozenset[DeviceMesh], list[OwnerChoice]]:
-    """The meshes on which parameters with replicas take owners over the whole mesh, and per mesh
-    the choice and why (``OwnerChoice``). Collective for ``owners="auto"`` (one 2-integer
-    all-reduce per mesh axis, for each such mesh): every rank of a mesh gets the same answer even
-    if their node sizes differ."""
-    hsdp = [p for p in params if isinstance(p, DTensor) and replica_count(p) > 1]
-    meshes = [
-        mesh for mesh in dict.fromkeys(p.device_mesh for p in hsdp) if mesh.get_coordinate() is not None
-    ]
+    """The meshes on which parameters with replicas (their ``records``, read on meshes this rank is
+    part of) take owners over the whole mesh, and per mesh the choice and why (``OwnerChoice``).
+    Collective for ``owners="auto"`` (one 2-integer all-reduce per mesh axis, for each such mesh):
+    every rank of a mesh gets the same answer even if their node sizes differ."""
+    meshes = [mesh for mesh in dict.fromkeys(r.mesh for r in records if r.replicas > 1) if mesh is not None]
     if owners != "auto":
         fixed = meshes if owners == "mesh" else []
         return frozenset(fixed), [OwnerChoice(tuple(m.shape), owners, m in fixed) for m in meshes]
@@ -119,7 +114,7 @@ def owner_meshes(
     # A mesh of fewer ranks than the world (a pipeline stage's) votes among its own ranks, and its
     # exchange group is created by them alone (``groups.exchange_group``), so other stages never wait.
     for mesh in meshes:
-        vote = torch.tensor([1, int(_mesh_pays(params, mesh, view_options, prices))])
+        vote = torch.tensor([1, int(_mesh_pays(records, mesh, view_options, prices))])
         ranks, yes = (int(v) for v in sum_over_mesh(vote, mesh))
         if yes == ranks:
             chosen.append(mesh)

@@ -12,7 +12,7 @@ outputSplitSizes[0] > 0") on a rank that sends nothing but receives.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -224,13 +224,24 @@ def _sharded(mesh: DeviceMesh) -> Any:
     return _params(mesh, [Shard(0)], [(8, 6)])[0]
 
 
+def _outcome(p: Any, run: Callable[[], object]) -> tuple[str, str, bool]:
+    """``run()``'s outcome: (error type or "no error", message, whether ``p``'s local shard is unchanged)."""
+    before = p.to_local().clone()
+    try:
+        run()
+        kind, message = "no error", ""
+    except ValueError as e:
+        kind, message = type(e).__name__, str(e)
+    return kind, message, torch.equal(p.to_local(), before)
+
+
 def _refused_fake(case: str) -> tuple[str, str, bool]:
     """One case: (error type, message, whether this rank's weights are unchanged)."""
     rank = dist.get_rank()
     real = init_device_mesh("cpu", (2,))
     p = _sharded(_fake_dp_mesh() if case in ("fake mesh axis", "only rank 0 steps", "qk_clip") else real)
-    before = p.to_local().clone()
-    try:
+
+    def run() -> None:
         if case == "fake step_group":
             Muon([p], lr=0.02 + 0.01 * rank, step_group=dist.new_group(backend="fake")).step()
         elif case == "only rank 0 steps":  # rank 1 steps on plain tensors, over the same step group
@@ -240,10 +251,8 @@ def _refused_fake(case: str) -> tuple[str, str, bool]:
             qk_clip_(p, p, torch.tensor([500.0]), head_dim=8, threshold=100.0)
         else:
             Muon([p], lr=0.02).step()
-        kind, message = "no error", ""
-    except ValueError as e:
-        kind, message = type(e).__name__, str(e)
-    return kind, message, torch.equal(p.to_local(), before)
+
+    return _outcome(p, run)
 
 
 def _fake_step_sum() -> tuple[str, str, bool]:
@@ -252,13 +261,7 @@ def _fake_step_sum() -> tuple[str, str, bool]:
     rank = dist.get_rank()
     real, fake = init_device_mesh("cpu", (2,)), _fake_dp_mesh()
     p = _sharded(fake if rank == 0 else real)
-    before = p.to_local().clone()
-    try:
-        Muon([p], lr=0.02).step()
-        kind, message = "no error", ""
-    except ValueError as e:
-        kind, message = type(e).__name__, str(e)
-    return kind, message, torch.equal(p.to_local(), before)
+    return _outcome(p, lambda: Muon([p], lr=0.02).step())
 
 
 FAKE_CASES = ["fake mesh axis", "fake step_group", "only rank 0 steps", "qk_clip", "one rank's mesh"]

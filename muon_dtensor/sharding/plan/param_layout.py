@@ -1,4 +1,8 @@
-"""Read a parameter's layout (plain tensor or DTensor) into the layout module's plain data."""
+"""Read a parameter's layout (plain tensor or DTensor) into the layout module's plain data: once per
+parameter at set-up into its record (``LayoutRecord``: mesh, placements, global and local shapes, the
+axes that shard it, its replica count, its blocks), which the owner policy, the owner pricing
+(``owners.py``) and the layouts given an exchange group (``describe``: ``ParamLayout``) read instead
+of asking the DTensor again. Reads metadata only: no collective."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 
 from ...base.compat import StridedShard, local_tensor
@@ -19,16 +23,16 @@ from ...numerics.blockwise import absmax_shape
 from .blocks import AxisShard, Block, block_numel, block_shape, full_block, mesh_blocks, shard_blocks
 
 __all__ = [
+    "LayoutRecord",
     "check_placements",
     "ParamLayout",
     "describe",
-    "exchange_axes",
     "relayout",
-    "replica_count",
     "row_state_zeros",
     "block_state_zeros",
     "local_grad",
     "local_of",
+    "read_layout",
     "same_layout",
     "shards_of",
 ]
@@ -49,15 +53,55 @@ class ParamLayout:
     group: dist.ProcessGroup | None
     replica_of: tuple[int, ...] | None = None
     members: tuple[int, ...] = ()  # the group's global ranks, for a layout planned without its group
+    # plain fields, not properties: the plans read them for every parameter without a call back here
+    group_size: int = field(init=False, compare=False)
+    key: tuple = field(init=False, compare=False)  # equal keys share an exchange group (and a plan)
 
-    @property
-    def group_size(self) -> int:
-        return len(self.blocks)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_size", len(self.blocks))
+        object.__setattr__(self, "key", (self.group, len(self.blocks), self.members))
 
-    @property
-    def key(self) -> tuple:
-        """Parameters with equal keys share an exchange group (and a plan)."""
-        return (self.group, self.group_size, self.members)
+
+@dataclass(frozen=True)
+class LayoutRecord:
+    """What the set-up reads of one parameter, once (``read_layout``). ``mesh`` is None for a plain
+    tensor; ``shards`` are the mesh axes that shard it, in mesh order; ``replicas`` is the product of
+    the Replicate axes' sizes when some axis shards it (HSDP), else 1; ``axes`` are the mesh axes
+    whose ranks exchange its blocks (the sharded ones, or every axis when it is replicated
+    everywhere); ``blocks`` is each of their ranks' block, row-major over ``axes``."""
+
+    mesh: DeviceMesh | None
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    local_numel: int
+    shards: tuple[AxisShard, ...]
+    replicas: int
+    axes: tuple[int, ...]
+    blocks: tuple[Block, ...]
+
+
+def read_layout(p: Tensor, name: str) -> LayoutRecord:
+    """``p``'s record; ValueError naming ``name`` for a placement not handled, or for a mesh this
+    rank is not part of. Blocks tuples are shared by the parameters of one layout (``blocks.py``)."""
+    shape = tuple(int(s) for s in p.shape)
+    if not isinstance(p, DTensor):
+        return LayoutRecord(None, (), (), shape, shape, math.prod(shape), (), 1, (), (full_block(shape),))
+    mesh = p.device_mesh
+    if mesh.get_coordinate() is None:
+        raise _unsupported(name, p, f"rank {dist.get_rank()} is not part of its mesh")
+    shards = tuple(_shards(p, name))
+    mesh_shape = tuple(int(s) for s in mesh.shape)
+    sharded = [s.axis for s in shards]
+    replicas = math.prod(s for a, s in enumerate(mesh_shape) if a not in sharded) if shards else 1
+    axes = tuple(sharded) or tuple(range(len(mesh_shape)))
+    blocks = shard_blocks(shape, shards) if shards else (full_block(shape),) * math.prod(mesh_shape)
+    local = tuple(int(s) for s in local_tensor(p).shape)
+    placements = tuple(p.placements)
+    return LayoutRecord(
+        mesh, mesh_shape, placements, shape, local, math.prod(local), shards, replicas, axes, blocks
+    )
 
 
 def local_of(t: Tensor) -> Tensor:
@@ -73,9 +117,12 @@ def local_grad(p: Tensor) -> Tensor:
     return grad.reshape(param.shape) if grad.shape != param.shape and grad.numel() == 0 else grad
 
 
-def _unsupported(name: str, p: DTensor, why: str) -> ValueError:
+def _unsupported(name: str, p: DTensor | LayoutRecord, why: str) -> ValueError:
+    placements, mesh = (
+        (p.placements, p.mesh) if isinstance(p, LayoutRecord) else (p.placements, p.device_mesh)
+    )
     return ValueError(
-        f"parameter '{name}' has placements {tuple(p.placements)} on mesh {p.device_mesh}: {why}. "
+        f"parameter '{name}' has placements {tuple(placements)} on mesh {mesh}: {why}. "
         "muon_dtensor supports Replicate, Shard(dim) and _StridedShard (FSDP2, HSDP, TP and FSDP x "
         "TP); redistribute the parameter or put it in an AdamW group"
     )
@@ -203,61 +250,42 @@ def check_placements(p: Tensor, name: str) -> None:
     _shards(p, name)
 
 
-def replica_count(p: Tensor) -> int:
-    """How many replicas of ``p`` a mesh holds: the product of its Replicate axes' sizes when some
-    axis shards ``p`` (HSDP), else 1 (plain tensors, fully replicated or unsupported placements)."""
-    if not isinstance(p, DTensor):
-        return 1
-    try:
-        sharded = {s.axis for s in _shards(p, "")}
-    except ValueError:
-        return 1  # layout_of raises the error, naming the parameter
-    mesh = p.device_mesh
-    return math.prod(mesh.size(a) for a in range(mesh.ndim) if a not in sharded) if sharded else 1
-
-
-def exchange_axes(p: DTensor, name: str, across: bool = False) -> tuple[int, ...]:
-    """The mesh axes whose ranks exchange ``p``'s blocks: the sharded ones, or every axis when ``p`` is
-    replicated everywhere (then the whole mesh shares its work) or ``across`` its replicas."""
-    if across:
-        return tuple(range(p.device_mesh.ndim))
-    return tuple(s.axis for s in _shards(p, name)) or tuple(range(p.device_mesh.ndim))
-
-
 def describe(
-    p: Tensor, name: str, group: dist.ProcessGroup | None, across: bool = False, planned: bool = False
+    p: Tensor | LayoutRecord,
+    name: str,
+    group: dist.ProcessGroup | None,
+    across: bool = False,
+    planned: bool = False,
 ) -> ParamLayout:
-    """The layout of ``p`` given its exchange ``group`` (None: this rank alone); raises ValueError
-    naming ``name`` for layouts not handled. A plain tensor with a group is replicated over it (DDP).
-    ``across``: the group is the whole mesh and spans ``p``'s replicas. Reads only: the group is
-    created by the caller (``optim/group_sharding.layout_of``). ``planned``: no group exists (a
-    report on one rank); the layout is that of the group over the exchange axes' ranks, sorted, as
-    ``runtime.groups`` creates it, and carries those ranks (``members``) instead of a group."""
-    if not isinstance(p, DTensor):
+    """The layout of ``p`` (its record, or the tensor, read here) given its exchange ``group`` (None:
+    this rank alone); raises ValueError naming ``name`` for layouts not handled. A plain tensor with
+    a group is replicated over it (DDP). ``across``: the group is the whole mesh and spans the
+    replicas. Reads only: the group is created by the caller (``optim/group_sharding.layout_of``).
+    ``planned``: no group exists (a report on one rank); the layout is that of the group over the
+    exchange axes' ranks, sorted, as ``runtime.groups`` creates it, and carries those ranks
+    (``members``) instead of a group."""
+    record = p if isinstance(p, LayoutRecord) else read_layout(p, name)
+    mesh = record.mesh
+    if mesh is None:
+        whole = full_block(record.shape)
         if group is None or dist.get_world_size(group) == 1:
-            return ParamLayout(None, (), (full_block(p.shape),), 0, None)
-        size = dist.get_world_size(group)
-        return ParamLayout(None, (), (full_block(p.shape),) * size, dist.get_rank(group), group)
-    mesh = p.device_mesh
-    shards = _shards(p, name)
-    across = across and replica_count(p) > 1
-    axes = exchange_axes(p, name, across)
-    flat = shard_blocks(p.shape, shards) if shards else (full_block(p.shape),) * mesh.size()
-    replicas = None
-    if across:
-        flat, replicas = mesh_blocks(p.shape, tuple(mesh.shape), shards)
+            return ParamLayout(None, (), (whole,), 0, None)
+        return ParamLayout(None, (), (whole,) * dist.get_world_size(group), dist.get_rank(group), group)
+    across = across and record.replicas > 1
+    axes = tuple(range(len(record.mesh_shape))) if across else record.axes
+    flat, replicas = (
+        mesh_blocks(record.shape, record.mesh_shape, record.shards) if across else (record.blocks, None)
+    )
     if group is None and not (planned and len(_axis_ranks(mesh, axes)) > 1):
         return ParamLayout(mesh, axes, flat, 0, None)
     ranks, order, rank = _group_order(mesh, axes, group, planned)
-    members = ranks if planned else ()
     blocks, replica_of = _ordered(mesh, flat, replicas, order)
-    local_shape, expected = tuple(p.to_local().shape), block_shape(blocks[rank])
+    expected = block_shape(blocks[rank])
     # FSDP2 may give an empty piece the shape (0, 0); only a non-empty one must match exactly.
-    if local_shape != expected and (p.to_local().numel() or block_numel(blocks[rank])):
-        raise _unsupported(
-            name, p, f"its local shape {local_shape} on this rank is not the expected {expected}"
-        )
-    return ParamLayout(mesh, axes, blocks, rank, group, replica_of, members)
+    if record.local_shape != expected and (record.local_numel or block_numel(blocks[rank])):
+        why = f"its local shape {record.local_shape} on this rank is not the expected {expected}"
+        raise _unsupported(name, record, why)
+    return ParamLayout(mesh, axes, blocks, rank, group, replica_of, ranks if planned else ())
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
