@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -73,33 +74,45 @@ def adjust_lr(lr: float, adjust_lr_fn: str | float | None, shape: Sequence[int])
 Scalar = float | Tensor  # a Python float, or a 0-dim float64 tensor (capturable: on the device)
 
 
-@functools.lru_cache(maxsize=256)
-def _cpu_scalar(value: float, sign: float, dtype: torch.dtype) -> Tensor:
-    """A 0-dim CPU tensor of ``value`` in ``dtype``, made once (``sign`` keeps -0.0 apart from 0.0).
-    Shared: it is only ever read, as a multi-tensor op's scalar."""
-    return torch.tensor(value, dtype=dtype)
+# Per thread and dtype: a 0-dim CPU tensor and a NumPy view of it, made once. A scalar is written
+# through the view just before the one op that reads it: no torch op per step (a tensor made from a
+# changing value, such as AdamW's bias correction, would add host ops to every step).
+_SCRATCH = threading.local()
+
+
+def _cpu_scalar(value: float, dtype: torch.dtype) -> Tensor:
+    """The thread's 0-dim CPU tensor of ``dtype``, now holding ``value`` (rounded to ``dtype`` as a C
+    cast rounds it); valid until the next call, so the caller passes it straight to one op."""
+    made: dict[torch.dtype, tuple[Tensor, Any]] = getattr(_SCRATCH, "made", None) or {}
+    _SCRATCH.made = made
+    if dtype not in made:
+        t = torch.zeros((), dtype=dtype)
+        made[dtype] = (t, t.numpy())
+    tensor, view = made[dtype]
+    view[()] = value
+    return tensor
 
 
 def _scalar_of(tensors: Sequence[Tensor], value: float) -> float | Tensor:
-    """``value`` as a multi-tensor op on ``tensors`` should take it. A CPU list of one dtype, float32
-    or float64, takes a 0-dim tensor of that dtype: the kernel rounds a Python scalar to the list's
-    dtype as well, so the bits are the same (tests/numerics/test_cpu_scalars.py), but it wraps and
-    casts a Python scalar once per tensor, which costs several times the multiply of a small one."""
+    """``value`` as the one multi-tensor op about to run on ``tensors`` should take it. A CPU list of
+    one dtype, float32 or float64, takes a 0-dim tensor of that dtype: the kernel rounds a Python
+    scalar to the list's dtype as well, so the bits are the same (tests/numerics/test_cpu_scalars.py),
+    but it wraps and casts a Python scalar once per tensor, several times the multiply of a small one."""
     if not tensors or tensors[0].device.type != "cpu":
         return value
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
         return value
-    return _cpu_scalar(float(value), math.copysign(1.0, value), dtype)
+    return _cpu_scalar(float(value), dtype)
 
 
-def _scalars_of(tensors: list[Tensor], values: list[float]) -> float | list[float] | Tensor | list[Tensor]:
-    """``_scalar_of`` for a list of per-tensor scalars: one tensor where they are all equal."""
-    first = _scalar_of(tensors, values[0]) if values else values
-    if not isinstance(first, Tensor) or any(v == 0.0 for v in values):  # 0.0 == -0.0: kept as floats
+def _scalars_of(tensors: list[Tensor], values: list[float]) -> list[float] | Tensor:
+    """``_scalar_of`` for per-tensor scalars: one tensor where they are all equal (zeros, equal
+    whatever their sign, stay floats), else the floats."""
+    if not values or values[0] == 0.0 or any(v != values[0] for v in values):
         return values
-    lookup = {v: _cpu_scalar(float(v), 1.0, first.dtype) for v in set(values)}
-    return first if len(lookup) == 1 else [lookup[v] for v in values]
+    one = _scalar_of(tensors, values[0])
+    return one if isinstance(one, Tensor) else values
 
 
 def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:

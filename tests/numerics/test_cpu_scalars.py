@@ -55,8 +55,8 @@ def test_per_tensor_scalars_multiply_as_the_python_scalars(dtype: torch.dtype) -
         assert _same_bits(got, want), values
     one = _tensors(dtype, 4)
     assert isinstance(_scalars_of(one, [0.3] * 6), torch.Tensor)  # all equal: one scalar
-    assert isinstance(_scalars_of(one, [0.3, 0.7] * 3), list)
-    assert _scalars_of(one, [0.3, 0.0] * 3) == [0.3, 0.0] * 3  # a zero keeps its sign as a float
+    assert _scalars_of(one, [0.3, 0.7] * 3) == [0.3, 0.7] * 3
+    assert _scalars_of(one, [0.0, -0.0] * 3) == [0.0, -0.0] * 3  # equal, but each zero keeps its sign
 
 
 def test_only_cpu_lists_of_one_wide_dtype_take_a_tensor() -> None:
@@ -66,8 +66,25 @@ def test_only_cpu_lists_of_one_wide_dtype_take_a_tensor() -> None:
     assert _scalar_of([], 0.5) == 0.5
     negative_zero = _scalar_of(wide, -0.0)
     assert isinstance(negative_zero, torch.Tensor) and math.copysign(1.0, negative_zero.item()) == -1.0
-    assert _scalar_of(wide, 0.0) is not negative_zero
-    assert _scalar_of(wide, 0.25) is _scalar_of(wide, 0.25)  # made once, not per step
+    third = _scalar_of(wide, 1 / 3)
+    assert isinstance(third, torch.Tensor) and third.item() == torch.tensor(1 / 3, dtype=torch.float32).item()
+    assert _scalar_of(wide, 0.25) is _scalar_of(wide, 0.7)  # made once; a new value is written into it
+
+
+@pytest.mark.slow  # the profiler's first start in a process takes seconds
+def test_a_changing_scalar_adds_no_host_op() -> None:
+    """An lr schedule or AdamW's bias correction changes the value every step: written into a tensor
+    made once, it adds no torch op (the host-op counts of bench_host.py must not grow)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tensors = _tensors(torch.float32, 6)
+    _mul_(tensors, 0.5)  # the thread's scalar is made here, once
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for v in (0.25, 0.125, 0.7):
+            _mul_(tensors, v)
+            _mul_(tensors, [v] * len(tensors))
+    top = [e.name for e in prof.profiler.function_events if e.cpu_parent is None]
+    assert top == ["aten::_foreach_mul_"] * 6
 
 
 def test_empty_like_all_stacks_each_trailing_shape_in_list_order() -> None:
