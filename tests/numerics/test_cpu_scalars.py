@@ -98,3 +98,16 @@ def test_empty_like_all_stacks_each_trailing_shape_in_list_order() -> None:
     assert [t.data_ptr() for t in threes] == sorted(t.data_ptr() for t in threes)
     assert out[1].untyped_storage().data_ptr() == out[5].untyped_storage().data_ptr()
     assert out[6].untyped_storage().data_ptr() != out[0].untyped_storage().data_ptr()
+
+
+def test_each_thread_writes_its_own_scalar() -> None:
+    """Ops release the GIL while they run: a scalar shared between threads could change under one."""
+    import threading
+
+    wide = _tensors(torch.float32, 7)
+    mine = _scalar_of(wide, 0.5)
+    theirs: list[object] = []
+    worker = threading.Thread(target=lambda: theirs.append(_scalar_of(wide, 0.25)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and isinstance(mine, torch.Tensor) and mine.item() == 0.5
