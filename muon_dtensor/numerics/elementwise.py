@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -28,6 +27,7 @@ from ..base.torch_ops import (
     foreach_sqrt,
     foreach_sub_,
 )
+from .cpu_scalars import scalar_of, scalars_of
 
 __all__ = [
     "ADJUST_LR",
@@ -74,47 +74,6 @@ def adjust_lr(lr: float, adjust_lr_fn: str | float | None, shape: Sequence[int])
 Scalar = float | Tensor  # a Python float, or a 0-dim float64 tensor (capturable: on the device)
 
 
-# Per thread and dtype: a 0-dim CPU tensor and a NumPy view of it, made once. A scalar is written
-# through the view just before the one op that reads it: no torch op per step (a tensor made from a
-# changing value, such as AdamW's bias correction, would add host ops to every step).
-_SCRATCH = threading.local()
-
-
-def _cpu_scalar(value: float, dtype: torch.dtype) -> Tensor:
-    """The thread's 0-dim CPU tensor of ``dtype``, now holding ``value`` (rounded to ``dtype`` as a C
-    cast rounds it); valid until the next call, so the caller passes it straight to one op."""
-    made: dict[torch.dtype, tuple[Tensor, Any]] = getattr(_SCRATCH, "made", None) or {}
-    _SCRATCH.made = made
-    if dtype not in made:
-        t = torch.zeros((), dtype=dtype)
-        made[dtype] = (t, t.numpy())
-    tensor, view = made[dtype]
-    view[()] = value
-    return tensor
-
-
-def _scalar_of(tensors: Sequence[Tensor], value: float) -> float | Tensor:
-    """``value`` as the one multi-tensor op about to run on ``tensors`` should take it. A CPU list of
-    one dtype, float32 or float64, takes a 0-dim tensor of that dtype: the kernel rounds a Python
-    scalar to the list's dtype as well, so the bits are the same (tests/numerics/test_cpu_scalars.py),
-    but it wraps and casts a Python scalar once per tensor, several times the multiply of a small one."""
-    if not tensors or tensors[0].device.type != "cpu":
-        return value
-    dtype = tensors[0].dtype
-    if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
-        return value
-    return _cpu_scalar(float(value), dtype)
-
-
-def _scalars_of(tensors: list[Tensor], values: list[float]) -> list[float] | Tensor:
-    """``_scalar_of`` for per-tensor scalars: one tensor where they are all equal (zeros, equal
-    whatever their sign, stay floats), else the floats."""
-    if not values or values[0] == 0.0 or any(v != values[0] for v in values):
-        return values
-    one = _scalar_of(tensors, values[0])
-    return one if isinstance(one, Tensor) else values
-
-
 def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
     """Multiply in place by Python scalars, as ``Tensor.mul_`` does (the scalar kept in fp32 math).
 
@@ -130,9 +89,9 @@ def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
     floats = cast("float | list[float]", list(scalars) if isinstance(scalars, Sequence) else scalars)
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         if isinstance(floats, list):
-            foreach_mul_(tensors, _scalars_of(tensors, floats))
+            foreach_mul_(tensors, scalars_of(tensors, floats))
         else:
-            foreach_mul_(tensors, _scalar_of(tensors, floats))
+            foreach_mul_(tensors, scalar_of(tensors, floats))
         return
     values = floats if isinstance(floats, list) else [floats] * len(tensors)
     for t, v in zip(tensors, values):
@@ -184,12 +143,12 @@ def muon_momentum(
     if any(b.dtype != g.dtype for b, g in zip(bufs, grads)):
         _momentum_apart(list(bufs), list(grads), list(out), momentum, nesterov)
         return
-    scaled = foreach_mul(list(grads), _scalar_of(grads, 1.0 - momentum))
+    scaled = foreach_mul(list(grads), scalar_of(grads, 1.0 - momentum))
     _mul_(list(bufs), momentum)
     foreach_add_(list(bufs), scaled)
     source = list(bufs)
     if nesterov:
-        source = list(foreach_mul(source, _scalar_of(source, momentum)))
+        source = list(foreach_mul(source, scalar_of(source, momentum)))
         foreach_add_(source, scaled)
     copy_all(list(out), source)
 
@@ -235,12 +194,12 @@ def momentum_rule(
     dtypes, float32 or float64); returns the Newton-Schulz source: ``work``, or with Nesterov
     ``(1 - m) g + m work`` as fresh tensors."""
     widened = _widened(grads, wide)
-    scaled = foreach_mul(widened, _scalar_of(widened, 1.0 - momentum))
+    scaled = foreach_mul(widened, scalar_of(widened, 1.0 - momentum))
     _mul_(work, momentum)
     foreach_add_(work, scaled)
     if not nesterov:
         return work
-    source = list(foreach_mul(work, _scalar_of(work, momentum)))
+    source = list(foreach_mul(work, scalar_of(work, momentum)))
     foreach_add_(source, scaled)
     return source
 
@@ -414,7 +373,7 @@ def _scalar_op(name: str, tensors: list[Tensor], scalar: float, *, inplace: bool
     and fp64 lists; see ``_mul_``), else the same op one tensor at a time."""
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         op = foreach_scalar_op(name, inplace=inplace)
-        out = op(tensors, _scalar_of(tensors, scalar) if name == "mul" else scalar)
+        out = op(tensors, scalar_of(tensors, scalar) if name == "mul" else scalar)
         return tensors if inplace else list(out)
     return [getattr(t, f"{name}_" if inplace else name)(scalar) for t in tensors]
 

@@ -1,5 +1,5 @@
 """A multi-tensor op on CPU takes its Python scalar as a 0-dim tensor of the list's dtype
-(``elementwise._scalar_of``): four times cheaper per small tensor, and it must not change a bit. The
+(``cpu_scalars.scalar_of``): four times cheaper per small tensor, and it must not change a bit. The
 kernel rounds a Python scalar to a float32 list's dtype before it multiplies; these tests hold the
 tensor scalar to the per-tensor single op, over values of every magnitude, both zeros and a
 subnormal, and check that the lists it must not touch (bf16, mixed dtypes) keep the float."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from muon_dtensor.base.torch_ops import foreach_mul
-from muon_dtensor.numerics.elementwise import _mul_, _scalar_of, _scalars_of, empty_like_all
+from muon_dtensor.numerics.cpu_scalars import scalar_of, scalars_of
+from muon_dtensor.numerics.elementwise import _mul_, empty_like_all
 
 VALUES = [0.95, 1 - 0.95, 1 - 0.02 * 0.1, 0.1 / 3, 3.0**0.5, -0.0, 0.0, 1e-30, 1e-45, 3.0e38, -7.25]
 
@@ -36,12 +37,12 @@ def test_a_tensor_scalar_multiplies_as_the_python_scalar(dtype: torch.dtype) -> 
     values = VALUES + [torch.rand((), generator=gen).item() * 10.0 ** (k - 9) for k in range(12)]
     for v in values:
         got, want = _tensors(dtype, 1), _tensors(dtype, 1)
-        assert isinstance(_scalar_of(got, v), torch.Tensor)
+        assert isinstance(scalar_of(got, v), torch.Tensor)
         _mul_(got, v)
         for t in want:
             t.mul_(v)
         assert _same_bits(got, want), v
-        fresh = list(foreach_mul(_tensors(dtype, 2), _scalar_of(got, v)))
+        fresh = list(foreach_mul(_tensors(dtype, 2), scalar_of(got, v)))
         assert _same_bits(fresh, [t.mul(v) for t in _tensors(dtype, 2)]), v
 
 
@@ -54,21 +55,21 @@ def test_per_tensor_scalars_multiply_as_the_python_scalars(dtype: torch.dtype) -
             t.mul_(v)
         assert _same_bits(got, want), values
     one = _tensors(dtype, 4)
-    assert isinstance(_scalars_of(one, [0.3] * 6), torch.Tensor)  # all equal: one scalar
-    assert _scalars_of(one, [0.3, 0.7] * 3) == [0.3, 0.7] * 3
-    assert _scalars_of(one, [0.0, -0.0] * 3) == [0.0, -0.0] * 3  # equal, but each zero keeps its sign
+    assert isinstance(scalars_of(one, [0.3] * 6), torch.Tensor)  # all equal: one scalar
+    assert scalars_of(one, [0.3, 0.7] * 3) == [0.3, 0.7] * 3
+    assert scalars_of(one, [0.0, -0.0] * 3) == [0.0, -0.0] * 3  # equal, but each zero keeps its sign
 
 
 def test_only_cpu_lists_of_one_wide_dtype_take_a_tensor() -> None:
     wide = _tensors(torch.float32, 5)
-    assert _scalar_of([t.bfloat16() for t in wide], 0.5) == 0.5  # bf16: the per-tensor path rounds itself
-    assert _scalar_of([wide[0], wide[1].double()], 0.5) == 0.5  # mixed: a float32 scalar would round fp64
-    assert _scalar_of([], 0.5) == 0.5
-    negative_zero = _scalar_of(wide, -0.0)
+    assert scalar_of([t.bfloat16() for t in wide], 0.5) == 0.5  # bf16: the per-tensor path rounds itself
+    assert scalar_of([wide[0], wide[1].double()], 0.5) == 0.5  # mixed: a float32 scalar would round fp64
+    assert scalar_of([], 0.5) == 0.5
+    negative_zero = scalar_of(wide, -0.0)
     assert isinstance(negative_zero, torch.Tensor) and math.copysign(1.0, negative_zero.item()) == -1.0
-    third = _scalar_of(wide, 1 / 3)
+    third = scalar_of(wide, 1 / 3)
     assert isinstance(third, torch.Tensor) and third.item() == torch.tensor(1 / 3, dtype=torch.float32).item()
-    assert _scalar_of(wide, 0.25) is _scalar_of(wide, 0.7)  # made once; a new value is written into it
+    assert scalar_of(wide, 0.25) is scalar_of(wide, 0.7)  # made once; a new value is written into it
 
 
 @pytest.mark.slow  # the profiler's first start in a process takes seconds
@@ -105,9 +106,9 @@ def test_each_thread_writes_its_own_scalar() -> None:
     import threading
 
     wide = _tensors(torch.float32, 7)
-    mine = _scalar_of(wide, 0.5)
+    mine = scalar_of(wide, 0.5)
     theirs: list[object] = []
-    worker = threading.Thread(target=lambda: theirs.append(_scalar_of(wide, 0.25)))
+    worker = threading.Thread(target=lambda: theirs.append(scalar_of(wide, 0.25)))
     worker.start()
     worker.join()
     assert theirs[0] is not mine and isinstance(mine, torch.Tensor) and mine.item() == 0.5
