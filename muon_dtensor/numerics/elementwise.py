@@ -27,6 +27,7 @@ from ..base.torch_ops import (
     foreach_sqrt,
     foreach_sub_,
 )
+from .cpu_scalars import scalar_of, scalars_of
 
 __all__ = [
     "ADJUST_LR",
@@ -87,7 +88,10 @@ def _mul_(tensors: list[Tensor], scalars: Scalar | Sequence[Scalar]) -> None:
         return
     floats = cast("float | list[float]", list(scalars) if isinstance(scalars, Sequence) else scalars)
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
-        foreach_mul_(tensors, floats)
+        if isinstance(floats, list):
+            foreach_mul_(tensors, scalars_of(tensors, floats))
+        else:
+            foreach_mul_(tensors, scalar_of(tensors, floats))
         return
     values = floats if isinstance(floats, list) else [floats] * len(tensors)
     for t, v in zip(tensors, values):
@@ -139,12 +143,12 @@ def muon_momentum(
     if any(b.dtype != g.dtype for b, g in zip(bufs, grads)):
         _momentum_apart(list(bufs), list(grads), list(out), momentum, nesterov)
         return
-    scaled = foreach_mul(list(grads), 1.0 - momentum)
+    scaled = foreach_mul(list(grads), scalar_of(grads, 1.0 - momentum))
     _mul_(list(bufs), momentum)
     foreach_add_(list(bufs), scaled)
     source = list(bufs)
     if nesterov:
-        source = list(foreach_mul(source, momentum))
+        source = list(foreach_mul(source, scalar_of(source, momentum)))
         foreach_add_(source, scaled)
     copy_all(list(out), source)
 
@@ -189,12 +193,13 @@ def momentum_rule(
     """``work <- m work + (1 - m) g`` in place, on ``grads`` widened to ``wide`` (``work``'s
     dtypes, float32 or float64); returns the Newton-Schulz source: ``work``, or with Nesterov
     ``(1 - m) g + m work`` as fresh tensors."""
-    scaled = foreach_mul(_widened(grads, wide), 1.0 - momentum)
+    widened = _widened(grads, wide)
+    scaled = foreach_mul(widened, scalar_of(widened, 1.0 - momentum))
     _mul_(work, momentum)
     foreach_add_(work, scaled)
     if not nesterov:
         return work
-    source = list(foreach_mul(work, momentum))
+    source = list(foreach_mul(work, scalar_of(work, momentum)))
     foreach_add_(source, scaled)
     return source
 
@@ -287,8 +292,10 @@ def empty_like_all(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype] | No
         return []
     dtypes = list(dtypes) if dtypes is not None else [t.dtype for t in tensors]
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
-        groups.setdefault((tuple(t.shape[1:]), t.ndim, dtype, t.device), []).append(i)
+    for shape, dtype, device, index in _by_kind(tensors, dtypes):
+        groups.setdefault((tuple(shape[1:]), len(shape), dtype, device), []).extend(index)
+    for index in groups.values():
+        index.sort()  # each shape's tensors in list order, as one pass over the list puts them
     out: list[Tensor] = [tensors[0]] * len(tensors)
     for (tail, ndim, dtype, device), index in groups.items():
         if ndim == 0 or len(index) == 1:
@@ -300,6 +307,17 @@ def empty_like_all(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype] | No
         for i, piece in zip(index, pieces):
             out[i] = piece
     return out
+
+
+def _by_kind(
+    tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype]
+) -> list[tuple[torch.Size, torch.dtype, torch.device, list[int]]]:
+    """The positions of each (shape, dtype, device) among ``tensors``: a key built from cheap
+    attributes per tensor, the rest per kind (a host cost per tensor on a step of thousands)."""
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for i, key in enumerate([(t.shape, d, t.device) for t, d in zip(tensors, dtypes)]):
+        kinds.setdefault(key, []).append(i)
+    return [(shape, dtype, device, index) for (shape, dtype, device), index in kinds.items()]
 
 
 def nesterov_inputs(
@@ -355,7 +373,7 @@ def _scalar_op(name: str, tensors: list[Tensor], scalar: float, *, inplace: bool
     and fp64 lists; see ``_mul_``), else the same op one tensor at a time."""
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         op = foreach_scalar_op(name, inplace=inplace)
-        out = op(tensors, scalar)
+        out = op(tensors, scalar_of(tensors, scalar) if name == "mul" else scalar)
         return tensors if inplace else list(out)
     return [getattr(t, f"{name}_" if inplace else name)(scalar) for t in tensors]
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 
 from ..base.torch_ops import foreach_add_, foreach_mul, foreach_norm
+from ..base.weak_memo import WeakMemo
 from ..numerics.blockwise import int8_nesterov_inputs
 from ..numerics.elementwise import (
     adamw_update,
@@ -176,15 +177,31 @@ def resolve_orthogonalize(
 def _update_buffers(params: Sequence[Tensor], domains: Sequence[Domain]) -> dict[int, Tensor]:
     """An update tensor per parameter that is not one whole matrix (several matrices, or a split
     matrix's parts), by position; a whole matrix takes its result as soon as its round is back."""
+    return {
+        pos: torch.empty_like(params[pos], memory_format=torch.contiguous_format)
+        for pos in _assembled(params, domains)
+    }
+
+
+# Per plan (by its first domain, held weakly): its domains' ids, the local shapes and the positions
+# ``_assembled`` found, so a steady step does not walk every view of every parameter again.
+_ASSEMBLED: WeakMemo[tuple[tuple[int, ...], tuple[torch.Size, ...], tuple[int, ...]]] = WeakMemo(256)
+
+
+def _assembled(params: Sequence[Tensor], domains: Sequence[Domain]) -> tuple[int, ...]:
+    """The positions of the parameters that are not one whole matrix (``whole_matrix``)."""
+    ids, shapes = tuple(map(id, domains)), tuple(p.shape for p in params)
+    kept = _ASSEMBLED.get(domains[0]) if domains else None
+    if kept is not None and kept[0] == ids and kept[1] == shapes:
+        return kept[2]
     views: dict[int, list[View]] = {pos: [] for pos in range(len(params))}
     for domain in domains:
         for pos, view in domain.members:
             views[pos].append(view)
-    return {
-        pos: torch.empty_like(p, memory_format=torch.contiguous_format)
-        for pos, p in enumerate(params)
-        if not whole_matrix(views[pos], p.shape)
-    }
+    positions = tuple(pos for pos, shape in enumerate(shapes) if not whole_matrix(views[pos], shape))
+    if domains:
+        _ASSEMBLED.put(domains[0], (ids, shapes, positions))
+    return positions
 
 
 def _with_second_moment(v: Tensor, ns_in: Tensor) -> Tensor:
@@ -243,7 +260,11 @@ def _record_update(
     if not pieces:
         return
     norms = foreach_norm([r for r, _ in pieces], 2, dtype=torch.float32)
-    weighted = torch.stack(foreach_mul(norms, [f for _, f in pieces]))
+    factor = pieces[0][1]
+    if all(f == factor for _, f in pieces):  # one multiply, not one per piece: the same bits
+        weighted = torch.stack(norms) * factor
+    else:
+        weighted = torch.stack(foreach_mul(norms, [f for _, f in pieces]))
     total = weighted.square().sum() * (lr * lr)
     stats.update_sq = total if stats.update_sq is None else stats.update_sq + total
     stats.update_elements += sum(r.numel() for r, _ in pieces)

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from ..base.names import param_names
+from ..base.torch_ops import disable_torch_function
 from ..checks import validation
 from ..checks.group_identity import agree_step_group
 from ..checks.step_checks import StepChecks
@@ -223,9 +224,10 @@ class Muon(report.Reports, Optimizer):
 
     def _muon_step(self, index: int, group: dict[str, Any], todo: list[int], config: NSConfig) -> None:
         params = [group["params"][i] for i in todo]
+        locals_ = [local_of(p) for p in params]
         muon_step(
-            [local_of(p) for p in params],
-            [local_grad(p) for p in params],
+            locals_,
+            _local_grads(params, locals_),
             [local_of(self.state[p][MOMENTUM]) for p in params],
             self._plans.domains(index, group, todo),
             self._hyper(index, group),
@@ -239,6 +241,16 @@ class Muon(report.Reports, Optimizer):
             else None,
             base=self._orthogonalize,
         )
+
+
+def _local_grads(params: list[Tensor], locals_: list[Tensor]) -> list[Tensor]:
+    """``local_grad`` of each parameter, given their local tensors: the gradients read without
+    DTensor's torch-function check, and only an empty one compared by shape (a host cost per
+    parameter, on a step of thousands of small matrices)."""
+    with disable_torch_function():
+        grads: list[Any] = [p.grad for p in params]  # the preflight stepped only those with one
+    grads = [local_of(g) for g in grads]
+    return [g if g.shape == q.shape else local_grad(p) for g, q, p in zip(grads, locals_, params)]
 
 
 def _kept_hyper(
