@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..sharding.plan.blocks import block_numel, block_shape
+from ..sharding.plan.blocks import Block, block_numel, block_shape
 from ..sharding.plan.build import Plan
 from ..sharding.plan.memory import bucket_sizes
 from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
@@ -49,10 +49,10 @@ METRICS_ROUND = 11  # the update's sum of squares for Muon.metrics, per round (p
 # step_checks.run, profiled: per scope the head's tensor (4), its sum (2) and its read (2); the
 # flags' tensors only when some rank's gradients differ or are bad (an error follows)
 CHECK_OPS, CHECK_SCOPE_OPS = 8, 8
-# runtime.comm._pair_reduce on a fake group, profiled: a view, the rows' buffer and the all-gather per
-# butterfly step, in place of the one all-reduce (a real group adds the rows' views and the add on
-# the main thread, and the gather's copies on gloo's: not in this count)
-PAIR_STEP_OPS_SIMULATED = 3
+# runtime.comm._pair_reduce on a fake group, profiled: a view and the rows' buffer per butterfly step
+# (its all-gather is a collective, as the all-reduce it replaces: neither is a host op here; a real
+# group adds the rows' views and the add on the main thread, and the gather's copies on gloo's)
+PAIR_STEP_OPS_SIMULATED = 2
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,18 @@ def _inbound(plan: Plan, rank: int, route: Inbound, batched: bool, ns_steps: int
     ops = 0
     if route.collective:
         sent = [m for per_dest in route.sends for m in per_dest]
-        ops += _pack([block_shape(plan.entries[m].blocks[rank])[1] for m in sent]) + 1  # and receive
+        ops += _pack([_piece_cols(plan.entries[m].blocks[rank]) for m in sent]) + 1  # and receive
         ops += 2 * len(route.stacks) + len(route.parts) + len(route.copies)
         ops += _own_in(route.own_batches) + 3 * len(route.runs) + 6 * len(route.loose)
     for _, members in route.stacks if ns_steps >= 0 else ():
         ops += 2 + _ns_call(ns_steps) if batched and len(members) > 1 else len(members) * _ns_call(ns_steps)
     return ops
+
+
+def _piece_cols(block: Block) -> int:
+    """Columns of this rank's piece of a matrix as ``View.cut`` makes it: an empty block is (0, 0)."""
+    shape = block_shape(block)
+    return shape[1] if math.prod(shape) else 0
 
 
 def _outbound(route: Outbound, stacked: set[int]) -> int:
@@ -186,6 +192,7 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     local = [block_shape(e.blocks[rank]) for e in plan.entries]
     numels = [block_numel(e.blocks[rank]) for e in plan.entries]
     pre = (_allocs(local) if shape.muon_params else 0) + _momentum(numels, shape)
+    pre += numels.count(0)  # View.cut: an empty tensor for each matrix this rank holds none of
     ns_steps = shape.ns_steps if shape.newton_schulz else -1  # -1: no Newton-Schulz op counted
     mid = sum(_inbound(plan, rank, r.inbound, shape.batched, ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
@@ -200,6 +207,7 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
 
 
 def butterfly_ops(steps: int, pair_ops: int = PAIR_STEP_OPS_SIMULATED) -> int:
-    """Ops the check's butterfly (``grid.butterfly_steps``: ``steps`` two-rank steps) issues beyond
-    the one all-reduce ``CHECK_OPS`` counts; 0 where it sums in one all-reduce."""
-    return pair_ops * steps - 1 if steps else 0
+    """Host ops the check's butterfly (``grid.butterfly_steps``: ``steps`` two-rank steps) issues
+    beyond ``CHECK_OPS``; 0 where it sums in one all-reduce. Its all-gathers, like that all-reduce,
+    are collectives (``Prediction.collectives``), not host ops: the profiler's ``c10d::`` events."""
+    return pair_ops * steps

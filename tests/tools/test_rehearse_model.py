@@ -53,12 +53,15 @@ def test_rehearsal_measures_what_the_model_counts(name: str) -> None:
     assert abs(r.host_ops - r.predicted_ops) <= 0.05 * r.host_ops, (r.host_ops, r.predicted_ops)
 
 
-def test_hsdp_above_256_ranks_counts_the_models_collectives_and_bytes() -> None:
+def test_hsdp_above_256_ranks_counts_the_models_collectives_bytes_and_host_ops() -> None:
     """HSDP 4 x 256: the check sums over the mesh's 1,024 ranks in 10 two-rank steps, as the model
-    prices it on gloo (the host ops of this layout are not held to 5%: docs/scale.md)."""
+    prices it on gloo. Its host ops measured 91 against 100 modelled: the model counted each step's
+    all-gather, and the all-reduce it replaces, as host ops, where the profiler's count (and the
+    model's elsewhere) leaves collectives out."""
     r = rehearse(CONFIG, 1024, 17, hsdp=4, skip_ns=True, steps=1, head_dim=None)
     assert len(r.collectives) == r.prediction.collectives == 10 + 2, r.collectives
     assert (r.sent, r.received) == r.modelled_bytes
+    assert abs(r.host_ops - r.predicted_ops) <= 0.05 * r.host_ops, (r.host_ops, r.predicted_ops)
 
 
 @pytest.mark.parametrize("name", ["hsdp_auto", "hsdp_mesh", "hsdp_replica"])
