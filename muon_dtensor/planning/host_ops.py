@@ -20,6 +20,8 @@ What each event costs, read from the code (``functional.py``, ``elementwise.py``
 - per Newton-Schulz call: cast, norm, clamp, divide, then per iteration the Gram product's
   transpose and product and two ``addmm`` (a batched call adds a stack and an unbind);
 - per round: the update's sum of squares that ``Muon.metrics`` reads, ``METRICS_ROUND``;
+- per piece of a parameter that is not one whole matrix (experts, heads): its cut and the result's
+  placement (``view_ops``), and per such parameter its update's buffer;
 - per step: the checks (a small sum per scope), ``CHECK_OPS``.
 """
 
@@ -33,6 +35,7 @@ from ..sharding.plan.build import Plan
 from ..sharding.plan.memory import bucket_sizes
 from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
 from ..sharding.plan.runs import segments
+from ..sharding.plan.views import LocalCut
 
 __all__ = [
     "CHECK_OPS",
@@ -41,6 +44,7 @@ __all__ = [
     "StepShape",
     "butterfly_ops",
     "step_ops",
+    "view_ops",
 ]
 
 NS_FIXED, NS_PER_ITERATION = 4, 4
@@ -204,6 +208,23 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     adamw = ADAMW_STEP + shape.adamw_buckets * ADAMW_BUCKET if shape.adamw_params else 0
     checks = CHECK_OPS + CHECK_SCOPE_OPS * (scopes - 1)
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}
+
+
+def view_ops(cut: LocalCut, local_rows: int, assembled: bool) -> int:
+    """Ops of ``View.cut`` on a non-empty piece beyond what ``step_ops`` counts (an expert's select, a
+    slice or a cat of rows that are not all the local ones, and of columns), and where the
+    parameter is assembled from several matrices (an expert stack, heads) ``View.place`` writing
+    the result into its update: a select, a view and a slice and copy per rectangle (profiled)."""
+    expert = 1 if cut.expert is not None else 0
+    rows = 0 if cut.rows == ((0, local_rows),) else _intervals(cut.rows)
+    cols = 0 if cut.cols is None else _intervals(cut.cols)
+    place = expert + 1 + 2 * len(cut.rows) * len(cut.cols or ((0, 0),)) if assembled else 0
+    return expert + rows + cols + place
+
+
+def _intervals(intervals: tuple[tuple[int, int], ...]) -> int:
+    """A slice for one interval; a slice each and a cat for several."""
+    return 1 if len(intervals) == 1 else len(intervals) + 1
 
 
 def butterfly_ops(steps: int, pair_ops: int = PAIR_STEP_OPS_SIMULATED) -> int:

@@ -41,8 +41,8 @@ def test_moe_config_rehearses(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["plan", "--rehearse", _config(tmp_path, MOE), "--gpus", "16", "--skip-ns", "--head-dim", "0"]
     assert cli([*argv, *(["--ep", str(ep)] if ep else [])]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    # 2 layers x (q, k, v, o, router) + 2 layers x 2 stacks x 8 experts
-    assert "Muon matrices: 42;" in out
+    # 2 layers x (q, k, v, o, router) + 2 layers x 3 stacks (gate, up, down) x 8 experts
+    assert "Muon matrices: 58;" in out
     assert ("x EP 4 for the experts" in out) == bool(ep)
     assert f"process groups created: {2 if ep else 0} by the meshes" in out
     # the model prices dense and expert groups (experts.moe_predict): its collectives are the run's
