@@ -117,6 +117,7 @@ def predict(
     replicas: int = 1,
     owners: str = "replica",
     split: bool = False,
+    check_ranks: int | None = None,
 ) -> Prediction:
     """Predict one step. ``mode``: "owner", "gather", or "redundant" (Newton-Schulz of every matrix
     on one device and nothing else: the cost every rank pays when each orthogonalizes everything).
@@ -126,13 +127,15 @@ def predict(
     (each replica runs one shard group's step at the same time), ``"mesh"`` (owners among all
     ``replicas * world_size`` ranks) or ``"auto"`` (the faster of the two). ``split``: run the
     largest matrices' Newton-Schulz over a few ranks where that pays (``planning/split.py``; the
-    optimizer's ``ns_split="auto"``). Computed once per equal arguments (``planning/memo.py``)."""
+    optimizer's ``ns_split="auto"``). ``check_ranks``: the ranks the step's check sums over, where
+    they are more than the group's (an expert group's check runs over the experts' whole mesh;
+    default ``replicas * world_size``). Computed once per equal arguments (``planning/memo.py``)."""
     hw = hw or Hardware.h200()
     shape_key = cast("tuple[Shape, ...]", tuple(tuple(s) for s in shapes))
     if replicas == 1 and mode != "redundant":
         owners = "replica"  # one replica group: every owner choice is the replica's (one cache entry)
     key = (shape_key, world_size, hw, mode, impl, ns_steps, itemsize, ns_algorithm, replicas, owners, split)
-    return once(_predict_cached, _predict, key)
+    return once(_predict_cached, _predict, (*key, check_ranks or world_size * replicas))
 
 
 def _predict(
@@ -147,6 +150,7 @@ def _predict(
     replicas: int,
     owners: str,
     split: bool,
+    checked: int,
 ) -> Prediction:
     """``predict`` with every argument given (``hw`` too)."""
     if mode == "redundant":
@@ -155,7 +159,7 @@ def _predict(
         return Prediction(mode, world_size, ns, ns, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 1.0, replicas, owners)
     if replicas > 1 and owners == "auto":
         args = (shapes, world_size, hw, mode, impl, ns_steps, itemsize, ns_algorithm, replicas)
-        both = [once(_predict_cached, _predict, (*args, o, split)) for o in ("mesh", "replica")]
+        both = [once(_predict_cached, _predict, (*args, o, split, checked)) for o in ("mesh", "replica")]
         return min(both, key=lambda p: p.total)
     across = replicas > 1 and owners == "mesh" and mode == "owner"
     if across:
@@ -163,7 +167,6 @@ def _predict(
     else:
         plan = sharded_plan(shapes, world_size, mode, impl.max_round_bytes)
     nodes = [r // hw.gpus_per_node for r in range(plan.group_size)]
-    checked = world_size * replicas  # the check's row is summed over every rank of the step
     total, p = plan_seconds(plan, hw, impl, ns_steps, itemsize, nodes, ns_algorithm, checked)
     if split and mode == "owner" and plan.group_size > 1:
         total, p = _with_splits(plan, p, hw, nodes, ns_steps, itemsize, ns_algorithm)

@@ -47,8 +47,19 @@ def predicted_ops(opt: Muon, skip_ns: bool = False) -> int:
                 )
                 total += sum(step_ops(d.plan, rank, shape).values()) + _piece_ops(entry.sharding, d, rank)
         total += sum(1 for pos in range(len(entry.sharding.views)) if _assembled(entry.sharding, pos))
-    # the check's sum over the world: above grid.GRID_ABOVE ranks a butterfly of two-rank steps
-    return total + butterfly_ops(len(butterfly_steps(dist.get_world_size(), dist.get_rank())))
+    return total + _butterflies(opt)
+
+
+def _butterflies(opt: Muon) -> int:
+    """``host_ops.butterfly_ops`` of the step's checks: one sum per mesh of the parameters (the dense
+    matrices' and the experts'), a butterfly of two-rank steps above ``grid.GRID_ABOVE`` ranks."""
+    meshes = {id(lay.mesh): lay.mesh for e in opt._plans.entries.values() for lay in e.sharding.layouts}
+    ranks = [
+        m.mesh.flatten().tolist() if m is not None else list(range(dist.get_world_size()))
+        for m in meshes.values()
+    ]
+    me = dist.get_rank()
+    return sum(butterfly_ops(len(butterfly_steps(len(r), r.index(me)))) for r in ranks)
 
 
 def _assembled(sharding: Any, pos: int) -> bool:
@@ -117,7 +128,8 @@ def _moe_rank_bytes(moe: MoEModel, at: Launch) -> tuple[int, int]:
     fsdp = at.gpus // at.ep if at.ep else 1
     if at.ep and fsdp > 1:
         shapes = moe.expert_shapes(moe.experts // at.ep)
-        group = rank_traffic(shapes, fsdp, at.rank // at.ep, max_round_bytes=at.max_round_bytes)
+        limit = at.max_round_bytes // at.ep if at.max_round_bytes else None  # as moe_predict's rounds
+        group = rank_traffic(shapes, fsdp, at.rank // at.ep, max_round_bytes=limit)
         sent, received = sent + group.sent, received + group.received
     return sent, received
 
