@@ -50,6 +50,18 @@ def test_moe_config_rehearses(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert not dist.is_initialized()
 
 
+def test_busiest_with_ep() -> None:
+    """--busiest with --ep was refused (the plans before launch had no ep layout); ``lay_out`` lays
+    the stacks out over ep x gpus / ep now (experts Shard(0) over 4 consecutive ranks, rows over the
+    4 ranks of each ep rank's group), so the rank comes from the plans the step builds: one plan of
+    the dense matrices and one of the 2 x 3 stacks' 8 experts, both over all 16 ranks."""
+    laid = lay_out(meta_model(MOE), 16, head_dim=None, ep=4)
+    assert sorted(p.group_size for p in laid.plans.values()) == [16, 16]
+    assert sorted(len(p.entries) for p in laid.plans.values()) == [2 * 5, 2 * 3 * 8]
+    chosen = busiest(laid, 16, Hardware.h200(), 5)
+    assert 0 <= chosen.rank < 16 and chosen.why().startswith(f"rank {chosen.rank} has the most modelled work")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
