@@ -142,10 +142,16 @@ def moe_predict(
     if mode == "redundant":
         experts = _all_experts(model, hw, ns_steps, ns_algorithm)
     else:
+        # with ep the optimizer plans a stack over the experts' whole mesh: its check sums over it,
+        # and a round's bytes are shared by the ep groups, which exchange their matrices in it at once
+        limit = (
+            impl.max_round_bytes // layout.ep if impl.max_round_bytes and layout.ep else impl.max_round_bytes
+        )
         experts = predict(
             model.expert_shapes(layout.experts_per_group(model.experts)), layout.fsdp,
-            _expert_hw(hw, layout), mode=mode, impl=impl, ns_steps=ns_steps, ns_algorithm=ns_algorithm,
-            split=split,
+            _expert_hw(hw, layout), mode=mode, impl=replace(impl, max_round_bytes=limit), ns_steps=ns_steps,
+            ns_algorithm=ns_algorithm,
+            split=split, check_ranks=layout.shard if layout.ep else None,
         )  # fmt: skip
     # Mean Newton-Schulz per rank: every expert once over the N ranks (gather: the groups' copies too).
     per_rank = _all_experts(model, hw, ns_steps, ns_algorithm).newton_schulz / layout.shard

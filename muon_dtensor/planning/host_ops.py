@@ -20,6 +20,8 @@ What each event costs, read from the code (``functional.py``, ``elementwise.py``
 - per Newton-Schulz call: cast, norm, clamp, divide, then per iteration the Gram product's
   transpose and product and two ``addmm`` (a batched call adds a stack and an unbind);
 - per round: the update's sum of squares that ``Muon.metrics`` reads, ``METRICS_ROUND``;
+- per piece of a parameter that is not one whole matrix (experts, heads): its cut and the result's
+  placement (``view_ops``), and per such parameter its update's buffer;
 - per step: the checks (a small sum per scope), ``CHECK_OPS``.
 """
 
@@ -28,11 +30,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..sharding.plan.blocks import block_numel, block_shape
+from ..sharding.plan.blocks import Block, block_numel, block_shape
 from ..sharding.plan.build import Plan
 from ..sharding.plan.memory import bucket_sizes
 from ..sharding.plan.routes import Inbound, Outbound, OwnBatch, build_routes
 from ..sharding.plan.runs import segments
+from ..sharding.plan.views import LocalCut
 
 __all__ = [
     "CHECK_OPS",
@@ -41,6 +44,7 @@ __all__ = [
     "StepShape",
     "butterfly_ops",
     "step_ops",
+    "view_ops",
 ]
 
 NS_FIXED, NS_PER_ITERATION = 4, 4
@@ -49,10 +53,10 @@ METRICS_ROUND = 11  # the update's sum of squares for Muon.metrics, per round (p
 # step_checks.run, profiled: per scope the head's tensor (4), its sum (2) and its read (2); the
 # flags' tensors only when some rank's gradients differ or are bad (an error follows)
 CHECK_OPS, CHECK_SCOPE_OPS = 8, 8
-# runtime.comm._pair_reduce on a fake group, profiled: a view, the rows' buffer and the all-gather per
-# butterfly step, in place of the one all-reduce (a real group adds the rows' views and the add on
-# the main thread, and the gather's copies on gloo's: not in this count)
-PAIR_STEP_OPS_SIMULATED = 3
+# runtime.comm._pair_reduce on a fake group, profiled: a view and the rows' buffer per butterfly step
+# (its all-gather is a collective, as the all-reduce it replaces: neither is a host op here; a real
+# group adds the rows' views and the add on the main thread, and the gather's copies on gloo's)
+PAIR_STEP_OPS_SIMULATED = 2
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,18 @@ def _inbound(plan: Plan, rank: int, route: Inbound, batched: bool, ns_steps: int
     ops = 0
     if route.collective:
         sent = [m for per_dest in route.sends for m in per_dest]
-        ops += _pack([block_shape(plan.entries[m].blocks[rank])[1] for m in sent]) + 1  # and receive
+        ops += _pack([_piece_cols(plan.entries[m].blocks[rank]) for m in sent]) + 1  # and receive
         ops += 2 * len(route.stacks) + len(route.parts) + len(route.copies)
         ops += _own_in(route.own_batches) + 3 * len(route.runs) + 6 * len(route.loose)
     for _, members in route.stacks if ns_steps >= 0 else ():
         ops += 2 + _ns_call(ns_steps) if batched and len(members) > 1 else len(members) * _ns_call(ns_steps)
     return ops
+
+
+def _piece_cols(block: Block) -> int:
+    """Columns of this rank's piece of a matrix as ``View.cut`` makes it: an empty block is (0, 0)."""
+    shape = block_shape(block)
+    return shape[1] if math.prod(shape) else 0
 
 
 def _outbound(route: Outbound, stacked: set[int]) -> int:
@@ -186,6 +196,7 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     local = [block_shape(e.blocks[rank]) for e in plan.entries]
     numels = [block_numel(e.blocks[rank]) for e in plan.entries]
     pre = (_allocs(local) if shape.muon_params else 0) + _momentum(numels, shape)
+    pre += numels.count(0)  # View.cut: an empty tensor for each matrix this rank holds none of
     ns_steps = shape.ns_steps if shape.newton_schulz else -1  # -1: no Newton-Schulz op counted
     mid = sum(_inbound(plan, rank, r.inbound, shape.batched, ns_steps) for r in routes)
     mid += sum(_outbound(r.outbound, _stacked(r.inbound, shape.batched)) for r in routes)
@@ -199,7 +210,25 @@ def step_ops(plan: Plan, rank: int, shape: StepShape, *, scopes: int = 1) -> dic
     return {"checks": checks, "pre": pre, "exchange": mid, "post": post, "adamw": adamw}
 
 
+def view_ops(cut: LocalCut, local_rows: int, assembled: bool) -> int:
+    """Ops of ``View.cut`` on a non-empty piece beyond what ``step_ops`` counts (an expert's select, a
+    slice or a cat of rows that are not all the local ones, and of columns), and where the
+    parameter is assembled from several matrices (an expert stack, heads) ``View.place`` writing
+    the result into its update: a select, a view and a slice and copy per rectangle (profiled)."""
+    expert = 1 if cut.expert is not None else 0
+    rows = 0 if cut.rows == ((0, local_rows),) else _intervals(cut.rows)
+    cols = 0 if cut.cols is None else _intervals(cut.cols)
+    place = expert + 1 + 2 * len(cut.rows) * len(cut.cols or ((0, 0),)) if assembled else 0
+    return expert + rows + cols + place
+
+
+def _intervals(intervals: tuple[tuple[int, int], ...]) -> int:
+    """A slice for one interval; a slice each and a cat for several."""
+    return 1 if len(intervals) == 1 else len(intervals) + 1
+
+
 def butterfly_ops(steps: int, pair_ops: int = PAIR_STEP_OPS_SIMULATED) -> int:
-    """Ops the check's butterfly (``grid.butterfly_steps``: ``steps`` two-rank steps) issues beyond
-    the one all-reduce ``CHECK_OPS`` counts; 0 where it sums in one all-reduce."""
-    return pair_ops * steps - 1 if steps else 0
+    """Host ops the check's butterfly (``grid.butterfly_steps``: ``steps`` two-rank steps) issues
+    beyond ``CHECK_OPS``; 0 where it sums in one all-reduce. Its all-gathers, like that all-reduce,
+    are collectives (``Prediction.collectives``), not host ops: the profiler's ``c10d::`` events."""
+    return pair_ops * steps

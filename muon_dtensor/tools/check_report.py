@@ -9,15 +9,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..planning.costmodel import CURRENT, Prediction
-from ..planning.experts import ExpertLayout, moe_predict
+from ..planning.costmodel import Prediction
+from ..planning.experts import check_ep
 from ..planning.inputs import format_bytes
 from ..planning.shapes import MoEModel
 from .configs import load_config, meta_model, muon_matrices, validate_config
 from .launch_check import IMBALANCE_HINT, LONG_CHECK, Check, check, modelled_step, moe_model
 from .plan_flags import hardware
 
-__all__ = ["launch_step", "priced_by", "report", "run_check"]
+__all__ = ["check_launch_ep", "launch_step", "priced_by", "report", "run_check"]
 
 
 def _head_dim(args: Any, config: Mapping[str, Any]) -> tuple[int | None, str]:
@@ -35,23 +35,24 @@ def launch_step(
     MoE model (``launch_check.moe_model``) without replicas is priced as dense and expert groups
     (``experts.moe_predict``, ``--ep`` as torchtitan lays experts out)."""
     split = args.ns_split == "auto" if split is None else split
-    if moe is not None and args.hsdp == 1:
-        layout = ExpertLayout(args.gpus, getattr(args, "ep", None))
-        impl = replace(CURRENT, max_round_bytes=args.max_round_bytes or None)
-        return moe_predict(
-            moe,
-            layout,
-            hardware(args),
-            impl=impl,
-            ns_steps=args.ns_steps,
-            ns_algorithm=args.ns_algorithm,
-            split=split,
-        ).step
     return modelled_step(
         shapes, args.gpus, hsdp=args.hsdp, hw=hardware(args), owners=args.owners,
         max_round_bytes=args.max_round_bytes or None, ns_steps=args.ns_steps, ns_algorithm=args.ns_algorithm,
-        split=split,
+        split=split, moe=moe, ep=getattr(args, "ep", None),
     )  # fmt: skip
+
+
+def check_launch_ep(args: Any, moe: MoEModel | None, config: str) -> None:
+    """ValueError naming ``--ep`` and the fix where the model has no expert stacks, or where ep does not
+    divide its experts (``experts.check_ep``)."""
+    if args.ep is None:
+        return
+    if moe is None:
+        raise ValueError(
+            f"--ep {args.ep}: the model has no expert stacks (or its MoE layers differ); --ep goes with an "
+            "MoE preset (deepseek-v3, kimi-k2) or a config.json with experts"
+        )
+    check_ep(moe, config, args.ep, args.gpus, args.hsdp)
 
 
 def priced_by(args: Any, moe: MoEModel | None) -> str:
@@ -114,8 +115,13 @@ def report(args: Any, config: Mapping[str, Any], found: Check, moe: MoEModel | N
             f"model: {args.check}: {config['num_hidden_layers']} layers of width {config['hidden_size']}; "
             f"Muon: {found.matrices:,} matrices, {found.muon_elements:,} elements; "
             f"AdamW: {found.adamw_elements:,} elements; Muon's q, k, v: {qkv}",
-            f"layout: {args.gpus} GPUs = {args.hsdp} replica group(s) x {shard} shards x {args.tp} TP ranks; "
-            f"owners {found.owners}",
+            f"layout: {args.gpus} GPUs = {args.hsdp} replica group(s) x {shard} shards x {args.tp} TP ranks"
+            + (
+                f" x EP {args.ep} for the experts (gpus / ep = {args.gpus // args.ep} ranks each)"
+                if args.ep
+                else ""
+            )
+            + f"; owners {found.owners}",
             f"owner balance (busiest rank's Newton-Schulz flops / mean) per exchange group: {balance}",
             "",
             "| per rank | min | max |",
@@ -156,12 +162,19 @@ def run_check(args: Any) -> int:
         return _refuse(f"--check {args.check!r}: {e}", 2)
     if matrices * args.gpus > LONG_CHECK:
         print(f"laying out {matrices:,} matrices on {args.gpus:,} ranks: this takes minutes", file=sys.stderr)
+    model = meta_model(config)
     try:
-        model = meta_model(config)
-        moe = moe_model(model, head_dim)
+        moe = moe_model(model, head_dim)  # split_params: a head_dim that cuts no matrix is a layout error
+    except ValueError as e:
+        return _refuse(str(e), 1)
+    try:
+        check_launch_ep(args, moe, args.check)
+    except ValueError as e:
+        return _refuse(f"--check {args.check!r}: {e}", 2)
+    try:
         found = check(
             model, args.gpus, hsdp=args.hsdp, tp=args.tp, owners=args.owners,
-            max_round_bytes=args.max_round_bytes or None, head_dim=head_dim, hw=hardware(args),
+            max_round_bytes=args.max_round_bytes or None, head_dim=head_dim, hw=hardware(args), ep=args.ep,
         )  # fmt: skip
     except ValueError as e:
         return _refuse(str(e), 1)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..optim.param_groups import split_params
 from ..planning.costmodel import CURRENT, Prediction, predict
+from ..planning.experts import ExpertLayout, moe_predict
 from ..planning.hardware import Hardware
 from ..planning.shapes import MoEModel
 from ..sharding.plan.blocks import AxisShard, Block, block_numel, mesh_blocks, shard_blocks
@@ -75,10 +76,17 @@ class Check:
         return max((p.imbalance for p in self.plans), default=1.0)
 
 
-def _shards(shape: Sequence[int], module: str, sizes: tuple[int, int, int]) -> tuple[AxisShard, ...]:
+def _shards(
+    shape: Sequence[int], module: str, sizes: tuple[int, int, int], ep: int | None = None
+) -> tuple[AxisShard, ...]:
     """FSDP2's Shard(0) on the shard axis, over TP's Shard(0) (colwise: _StridedShard) or Shard(1)
-    (rowwise) on the TP axis; experts and other matrices are replicated over TP."""
+    (rowwise) on the TP axis; experts and other matrices are replicated over TP. With ``ep`` (no TP),
+    an expert stack is torchtitan's: rows Shard(1) over the shard / ep ranks of ``dp_shard_mod_ep``
+    and experts Shard(0) over ep, the ep ranks consecutive (axis 2 stands for the ep factor of the
+    shard axis: group rank f * ep + c is global rank f * ep + c)."""
     _, shard, tp = sizes
+    if ep is not None and len(shape) == 3:
+        return (AxisShard(1, 1, shard // ep), AxisShard(2, 0, ep))
     tp_dim = 0 if module in _COLWISE else 1 if module in _ROWWISE else None
     tp_dim = None if len(shape) != 2 or tp == 1 else tp_dim
     out = [AxisShard(1, 0, shard, tp if tp_dim == 0 else 1)] if shard > 1 else []
@@ -116,11 +124,19 @@ def modelled_step(
     ns_steps: int = 5,
     ns_algorithm: str = "standard",
     split: bool = False,
+    moe: MoEModel | None = None,
+    ep: int | None = None,
 ) -> Prediction:
     """The one modelled step of a launch, which ``plan --check`` and ``plan --rehearse`` both print:
     ``costmodel.predict`` of the Muon matrices over ``gpus / hsdp`` ranks per replica group (the TP
-    placement is not priced), on ``hw`` (default ``Hardware.h200()``)."""
+    placement is not priced), on ``hw`` (default ``Hardware.h200()``). An MoE model (``moe_model``)
+    without replicas: its dense and expert groups (``experts.moe_predict``, with ``ep``)."""
     impl = replace(CURRENT, max_round_bytes=max_round_bytes or None)
+    if moe is not None and hsdp == 1:
+        return moe_predict(
+            moe, ExpertLayout(gpus, ep), hw or Hardware.h200(), impl=impl, ns_steps=ns_steps,
+            ns_algorithm=ns_algorithm, split=split,
+        ).step  # fmt: skip
     return predict(
         list(shapes), gpus // hsdp, hw or Hardware.h200(), impl=impl, ns_steps=ns_steps,
         ns_algorithm=ns_algorithm, replicas=hsdp, owners=owners, split=split,
@@ -135,7 +151,7 @@ def moe_model(model: nn.Module, head_dim: int | None = None) -> MoEModel | None:
     stacks = [(n, tuple(p.shape)) for n, p in muon if p.ndim == 3]
     if not stacks:
         return None
-    layers = sorted({n.rsplit(".", 3)[0] for n, _ in stacks})
+    layers = sorted({n.rsplit(".", 2)[0] for n, _ in stacks})  # "layers.3" of "layers.3.mlp.up_experts"
     per_layer = len(stacks) // len(layers)
     first = tuple((s[1], s[2]) for _, s in stacks[:per_layer])
     experts = stacks[0][1][0]
@@ -160,20 +176,16 @@ def check(
     max_round_bytes: int | None = DEFAULT_ROUND_BYTES,
     head_dim: int | None = None,
     hw: Hardware | None = None,
+    ep: int | None = None,
 ) -> Check:
     """Lay ``model``'s parameters (meta tensors do) out on ``gpus`` ranks = ``hsdp`` replicas x
-    shards x ``tp``, plan them, and price them on ``hw`` (default ``Hardware.h200()``) with
-    ``modelled_step``; ValueError naming the parameter where one cannot run."""
+    shards x ``tp`` (expert stacks over ``ep`` x gpus / ``ep``), plan them, and price them on ``hw``
+    (default ``Hardware.h200()``) with ``modelled_step``; ValueError naming the parameter where one
+    cannot run."""
     laid = lay_out(
-        model,
-        gpus,
-        hsdp=hsdp,
-        tp=tp,
-        owners=owners,
-        max_round_bytes=max_round_bytes,
-        head_dim=head_dim,
-        hw=hw,
-    )
+        model, gpus, hsdp=hsdp, tp=tp, owners=owners, max_round_bytes=max_round_bytes, head_dim=head_dim,
+        hw=hw, ep=ep,
+    )  # fmt: skip
     figures = [rank_bytes(laid, rank) for rank in range(gpus)]
     momentum, moments, peak = (tuple(f[i] for f in figures) for i in range(3))
     return Check(
@@ -225,16 +237,22 @@ class Laid:
 def lay_out(
     model: nn.Module, gpus: int, *, hsdp: int = 1, tp: int = 1, owners: str = "auto",
     max_round_bytes: int | None = DEFAULT_ROUND_BYTES, head_dim: int | None = None, hw: Hardware | None = None,
+    ep: int | None = None,
 ) -> Laid:  # fmt: skip
     """``check``'s layouts and plans, with no per-rank figure (pure; what the optimizer's first step
     builds); ValueError naming the parameter where one cannot run."""
     if gpus < 1 or hsdp < 1 or tp < 1 or gpus % (hsdp * tp):
         raise ValueError(f"--gpus {gpus} must be a positive multiple of --hsdp {hsdp} x --tp {tp}")
+    if ep is not None and (hsdp > 1 or tp > 1 or gpus % ep):
+        raise ValueError(
+            f"--ep {ep} lays experts out over ep x gpus / ep: it must divide --gpus {gpus}, with no --hsdp "
+            f"or --tp (given {hsdp} and {tp})"
+        )
     sizes = (hsdp, gpus // (hsdp * tp), tp)
     muon, heads, adamw = _split(model, head_dim)
     shapes = _shapes(muon, heads)
     step = modelled_step(shapes, gpus, hsdp=hsdp, hw=hw, owners=owners, max_round_bytes=max_round_bytes)
-    params, domains = _lay_out(muon, heads, sizes, step.owners == "mesh")
+    params, domains = _lay_out(muon, heads, sizes, step.owners == "mesh", ep)
     plans = {
         axes: build_plan(
             [MatrixEntry(v.shape, v.blocks, _replicated(v), r) for _, v, r in members],
@@ -268,6 +286,7 @@ def _lay_out(
     heads: Mapping[str, int],
     sizes: tuple[int, int, int],
     mesh: bool,
+    ep: int | None = None,
 ) -> tuple[_Params, _Domains]:
     """Each Muon parameter's exchange axes, blocks and whether its update is assembled from several
     matrices; and per exchange group (axes) its matrices, as (parameter position, view, replicas)."""
@@ -275,7 +294,7 @@ def _lay_out(
     domains: _Domains = {}
     for pos, (name, p) in enumerate(muon):
         module = name.rsplit(".", 2)[-2] if "." in name else ""
-        axes, blocks, replica_of = _layout(tuple(p.shape), _shards(p.shape, module, sizes), sizes, mesh)
+        axes, blocks, replica_of = _layout(tuple(p.shape), _shards(p.shape, module, sizes, ep), sizes, mesh)
         views = _views(tuple(p.shape), name, heads.get(name), len(blocks), blocks)
         params.append((axes, blocks, len(views) > 1 or p.ndim != 2))
         domains.setdefault(axes, []).extend((pos, v, replica_of) for v in views)

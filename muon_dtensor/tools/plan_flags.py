@@ -149,9 +149,9 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ep",
         type=GPUS,
-        help="expert-parallel ranks, with an MoE model (the cost model's step and --rehearse, not --check): "
-        "experts Shard(0) over ep, Shard(1) over the gpus / ep ranks of each (torchtitan's layout); "
-        "default: stacks Shard(0) over all ranks",
+        help="expert-parallel ranks, with an MoE model (a preset such as deepseek-v3, or a config.json "
+        "with experts), in every mode: experts Shard(0) over ep, Shard(1) over the gpus / ep ranks of "
+        "each (torchtitan's layout; no --hsdp or --tp); default: stacks Shard(0) over all ranks",
     )
     g.add_argument(
         "--owners", choices=("auto", "mesh", "replica"), default="auto", help="with HSDP, as Muon's (auto)"
@@ -237,8 +237,6 @@ def refuse_other_modes(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     wrong += [k for k in PREDICT_FLAGS if mode != "predict" and getattr(args, k)]
     wrong += [k for k in LAUNCH_ONLY if mode == "predict" and getattr(args, k) is not None]
     wrong += [k for k in REHEARSE_ONLY if mode != "rehearse" and getattr(args, k) not in (None, False)]
-    if mode == "check" and args.ep is not None:
-        wrong.append("ep")
     if wrong:
         flags = " and ".join("--" + k.replace("_", "-") for k in wrong)
         where = {
@@ -261,6 +259,10 @@ def launch_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.hsdp, args.tp = args.hsdp or 1, args.tp or 1
     if args.gpus % (args.hsdp * args.tp):
         p.error(f"--gpus {args.gpus} must be a positive multiple of --hsdp {args.hsdp} x --tp {args.tp}")
+    if args.ep is not None and (args.hsdp > 1 or args.tp > 1):
+        p.error(f"--ep {args.ep} with --hsdp or --tp: {flag} lays experts out over ep x fsdp only")
+    if args.ep is not None and args.gpus % args.ep:
+        p.error(f"--ep {args.ep} must divide --gpus {args.gpus} (ep groups of gpus / ep ranks)")
     if args.command != "rehearse":
         return
     if args.busiest and args.rank is not None:
@@ -271,9 +273,3 @@ def launch_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--rank {args.rank} must be between 0 and --gpus - 1 ({args.gpus - 1})")
     if args.steps < 1:
         p.error(f"--steps must be at least 1 but is {args.steps}")
-    if args.ep is not None and (args.hsdp > 1 or args.tp > 1):
-        p.error(f"--ep {args.ep} with --hsdp or --tp: the rehearsal lays experts out over ep x fsdp only")
-    if args.ep is not None and args.gpus % args.ep:
-        p.error(f"--ep {args.ep} must divide --gpus {args.gpus} (ep groups of gpus / ep ranks)")
-    if args.ep is not None and args.busiest:
-        p.error("--busiest with --ep: the plans before launch (plan --check) do not lay experts out over ep")

@@ -16,10 +16,11 @@ minutes for a 28,672 x 8,192 matrix). Only the Muon matrices are built (AdamW's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,17 +35,13 @@ from ..base.compat import TorchDispatchMode, tree_leaves
 from ..base.torch_dist import fake_store, local_shape, process_group_count
 from ..numerics.newton_schulz import orthogonalize
 from ..optim.optimizer import Muon
-from ..planning.costmodel import CURRENT_CPU, Prediction
+from ..planning.costmodel import Prediction
 from ..planning.hardware import Hardware
-from ..planning.host_ops import StepShape, butterfly_ops, step_ops
 from ..planning.inputs import format_bytes
-from ..planning.plans import rank_memory
-from ..planning.traffic import rank_traffic
-from ..sharding.plan.blocks import block_numel
 from ..sharding.plan.build import DEFAULT_ROUND_BYTES
-from ..sharding.plan.grid import butterfly_steps
+from . import rehearse_model
 from .configs import meta_model
-from .launch_check import _COLWISE, _ROWWISE, _split, modelled_step
+from .launch_check import _COLWISE, _ROWWISE, _split, moe_model
 
 __all__ = ["Rehearsal", "rehearse"]
 
@@ -214,29 +211,6 @@ def _top_level(event: Any) -> bool:
     return True
 
 
-def _predicted_ops(opt: Muon, skip_ns: bool = False) -> int:
-    """``host_ops.step_ops`` of this rank's plans (the cost model's host term, with the CPU's
-    elementwise pieces and one Newton-Schulz call per matrix)."""
-    total = 0
-    for entry in opt._plans.entries.values():
-        for domains in entry.domains.values():
-            for d in domains:
-                rank = entry.sharding.layouts[d.members[0][0]].rank
-                params = len({pos for pos, _ in d.members})
-                local = sum(block_numel(e.blocks[rank]) for e in d.plan.entries)
-                shape = StepShape(
-                    muon_params=params,
-                    muon_buckets=max(1, -(-local // CURRENT_CPU.bucket_elements)),
-                    bucket_elements=CURRENT_CPU.bucket_elements,
-                    batched=CURRENT_CPU.batched_ns,
-                    cpu_piece=CURRENT_CPU.bucket_elements,  # the CPU's pieces, as this step runs
-                    newton_schulz=not skip_ns,
-                )
-                total += sum(step_ops(d.plan, rank, shape).values())
-    # the check's sum over the world: above grid.GRID_ABOVE ranks a butterfly of two-rank steps
-    return total + butterfly_ops(len(butterfly_steps(dist.get_world_size(), dist.get_rank())))
-
-
 class _CountedNS:
     """``orthogonalize`` that reports its progress (matrices done, CPU seconds) at most every
     ``every`` seconds: a real Newton-Schulz on a CPU takes minutes per large matrix."""
@@ -266,17 +240,13 @@ def rehearse(
     beside ``modelled_step`` on ``hw``. ValueError before any shard is built when the bound
     (``memory_bound``) is above ``max_bytes``. ``progress`` receives a line per phase; ``muon_options``
     go to ``Muon`` (``ns_steps``, ``ns_algorithm``, ``ns_split``). Creates and destroys the default group."""
-    if dist.is_initialized():
-        raise ValueError("a process group exists already: rehearse in a process of its own")
     say = progress or (lambda line: None)
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
     hw = hw or Hardware.h200(check_backend="gloo")  # a fake group's check runs on the host, as gloo's
-    # the job's nodes as torchrun names them, so owners="auto" prices the nodes the model does
-    node_env = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus_per_node)
-    try:
+    launch = rehearse_model.Launch(gpus, rank, hsdp, tp, ep, owners, max_round_bytes)
+    with _fake_world(gpus, rank, hw):
         before = _pg_count()
-        layouts = _layouts(meta_model(config), _meshes(gpus, hsdp, tp, ep), head_dim)
+        model = meta_model(config)
+        layouts = _layouts(model, _meshes(gpus, hsdp, tp, ep), head_dim)
         bound = memory_bound(local_elements(layouts))
         if max_bytes is not None and bound > max_bytes:
             raise ValueError(
@@ -288,30 +258,32 @@ def rehearse(
         )
         groups = _params(layouts)
         after_mesh = _pg_count()
-        ns = _skip if skip_ns else _CountedNS(progress)
         opt = Muon(
             groups, lr=0.02, owners=owners, max_round_bytes=max_round_bytes,  # type: ignore[arg-type]
-            orthogonalize_fn=ns, **dict(muon_options or {}),
+            orthogonalize_fn=_skip if skip_ns else _CountedNS(progress), **dict(muon_options or {}),
         )  # fmt: skip
-        setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say, skip_ns)
-        metrics = opt.metrics()
-        shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
-        shard = gpus // hsdp
-        prediction = modelled_step(
-            shapes, gpus, hsdp=hsdp, hw=hw, owners=owners, max_round_bytes=max_round_bytes
+        measured = _measure(opt, steps, say, skip_ns)
+        modelled = rehearse_model.modelled(
+            measured["shapes"], launch, moe_model(model, head_dim), hw, muon_options or {}
         )
         return Rehearsal(
-            matrices=len(shapes),
-            local_elements=sum(p.to_local().numel() for g in opt.param_groups for p in g["params"]),
-            setup_s=setup, steady_s=steady, host_ops=ops, collectives=collectives,
-            sent=int(metrics["muon/bytes_sent"]), received=int(metrics["muon/bytes_received"]),
-            groups_mesh=after_mesh - before, groups_optimizer=_pg_count() - after_mesh, owned=owned,
-            memory=opt.memory(), predicted_ops=predicted, prediction=prediction, skipped_ns=skip_ns,
-            modelled_memory=None if ep else _modelled_memory(shapes, shard // tp, hsdp, tp, rank, max_round_bytes),
-            memory_bound=bound, shapes=tuple(shapes),
-            modelled_bytes=_rank_bytes(shapes, shard, rank, hsdp, prediction.owners, max_round_bytes),
-            owners=[c.describe() for e in opt._plans.entries.values() for c in e.sharding.owner_choices],
+            **measured, **modelled, groups_mesh=after_mesh - before, groups_optimizer=_pg_count() - after_mesh,
+            memory_bound=bound,
         )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fake_world(gpus: int, rank: int, hw: Hardware) -> Iterator[None]:
+    """The default group on the fake backend as rank ``rank`` of ``gpus``, and ``LOCAL_WORLD_SIZE`` as
+    torchrun would set it for ``hw``'s nodes (so ``owners="auto"`` prices the nodes the model does);
+    both undone on the way out."""
+    if dist.is_initialized():
+        raise ValueError("a process group exists already: rehearse in a process of its own")
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=gpus)
+    node_env = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus_per_node)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
         if node_env is None:
@@ -320,12 +292,20 @@ def rehearse(
             os.environ["LOCAL_WORLD_SIZE"] = node_env
 
 
-def _rank_bytes(
-    shapes: list[tuple[int, int]], shard: int, rank: int, hsdp: int, owners: str, limit: int | None
-) -> tuple[int, int]:
-    """This rank's bytes sent and received in the plan the cost model prices (``traffic.rank_traffic``)."""
-    t = rank_traffic(shapes, shard, rank, replicas=hsdp, owners=owners, max_round_bytes=limit)
-    return t.sent, t.received
+def _measure(opt: Muon, steps: int, say: Progress, skip_ns: bool) -> dict[str, Any]:
+    """``Rehearsal``'s measured fields: the steps' times, ops, collectives and bytes, and the model's
+    host ops for this rank's own plans (``_predicted_ops``)."""
+    setup, owned, steady, predicted, ops, collectives = _steps(opt, steps, say, skip_ns)
+    metrics = opt.metrics()
+    shapes = [v.shape for e in opt._plans.entries.values() for vs in e.sharding.views for v in vs]
+    return dict(
+        matrices=len(shapes),
+        local_elements=sum(p.to_local().numel() for g in opt.param_groups for p in g["params"]),
+        setup_s=setup, steady_s=steady, host_ops=ops, collectives=collectives,
+        sent=int(metrics["muon/bytes_sent"]), received=int(metrics["muon/bytes_received"]),
+        owned=owned, memory=opt.memory(), predicted_ops=predicted, skipped_ns=skip_ns, shapes=tuple(shapes),
+        owners=[c.describe() for e in opt._plans.entries.values() for c in e.sharding.owner_choices],
+    )  # fmt: skip
 
 
 def _steps(
@@ -343,7 +323,7 @@ def _steps(
     for _ in range(steps):
         opt.step()
     steady = (time.process_time() - start) / steps
-    predicted = _predicted_ops(opt, skip_ns)
+    predicted = rehearse_model.predicted_ops(opt, skip_ns)
     say(f"steady step: {steady * 1e3:,.1f} ms of CPU; {predicted:,} modelled host ops")
     ops, collectives = _profiled_step(opt) if predicted <= MAX_PROFILED_OPS else (-1, [])
     return setup, owned, steady, predicted, ops, collectives
@@ -354,19 +334,3 @@ def memory_bound(elements: int) -> int:
     parameters, gradients and momentum (4 bytes each), the step's transients (``TRANSIENT_BYTES`` per
     element) and ``STEP_BYTES`` (measured: tests/tools/test_rehearse_memory.py)."""
     return elements * (12 + TRANSIENT_BYTES) + STEP_BYTES
-
-
-# Ranks up to which the rehearsal prices this rank's memory with the cost model's plan (it plans every
-# rank of the group: seconds at 1,024 ranks); plan --check prices larger layouts.
-MODELLED_MEMORY_RANKS = 1024
-
-
-def _modelled_memory(
-    shapes: list[tuple[int, int]], shard: int, hsdp: int, tp: int, rank: int, limit: int | None
-) -> tuple[int, int] | None:
-    """This rank's momentum and peak transient from ``plans.rank_memory`` (one-dimensional shards, owners
-    per replica), or None for TP layouts and groups above ``MODELLED_MEMORY_RANKS``."""
-    if tp > 1 or shard > MODELLED_MEMORY_RANKS:
-        return None
-    momentum, peak = rank_memory(tuple(shapes), shard, hsdp, False, limit)
-    return momentum[rank % shard], peak[rank % shard]

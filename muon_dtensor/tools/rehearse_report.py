@@ -17,7 +17,7 @@ import torch
 from ..planning.inputs import format_bytes
 from ..planning.shapes import MoEModel
 from .busiest import busiest
-from .check_report import launch_step, priced_by
+from .check_report import check_launch_ep, launch_step, priced_by
 from .configs import load_config, meta_model, muon_matrices, validate_config
 from .launch_check import LONG_CHECK, Laid, lay_out, moe_model
 from .plan_flags import hardware
@@ -59,11 +59,11 @@ def _cpu_flops() -> float:
 
 def _plans(args: Any, config: Mapping[str, Any], head_dim: int | None, matrices: int) -> Laid | None:
     """The plans before launch, when they are cheap (``LONG_CHECK``) or asked for (``--busiest``)."""
-    if args.ep is not None or (matrices * args.gpus > LONG_CHECK and not args.busiest):
+    if matrices * args.gpus > LONG_CHECK and not args.busiest:
         return None
     return lay_out(
         meta_model(config), args.gpus, hsdp=args.hsdp, tp=args.tp, owners=args.owners,
-        max_round_bytes=args.max_round_bytes or None, head_dim=head_dim, hw=hardware(args),
+        max_round_bytes=args.max_round_bytes or None, head_dim=head_dim, hw=hardware(args), ep=args.ep,
     )  # fmt: skip
 
 
@@ -81,6 +81,8 @@ def _preflight(args: Any) -> tuple[dict[str, Any], int | None, str, MoEModel | N
             f"{args.gpus // args.hsdp:,} ranks, above {MAX_SETUP_S:,.0f} s: plan --check prices this layout "
             "without running it, or rehearse fewer ranks or layers"
         )
+    moe = moe_model(meta_model(config), head_dim)
+    check_launch_ep(args, moe, args.rehearse)
     _say(
         f"{matrices:,} Muon matrices on {args.gpus:,} ranks; first step's set-up modelled at {setup:,.1f} s of CPU"
     )
@@ -93,7 +95,7 @@ def _preflight(args: Any) -> tuple[dict[str, Any], int | None, str, MoEModel | N
         _say(why)
     if not args.skip_ns:
         _ns_estimate(args, laid)
-    return config, head_dim, why, moe_model(meta_model(config), head_dim)
+    return config, head_dim, why, moe
 
 
 def _ns_estimate(args: Any, laid: Laid | None) -> None:

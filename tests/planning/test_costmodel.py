@@ -176,7 +176,7 @@ def test_predictions_are_cached_and_equal_the_arithmetic() -> None:
     shapes = transformer_shapes(2, 256)
     first = predict(shapes, 16, split=True)
     assert predict(list(shapes), 16, split=True) is first
-    args = (tuple(shapes), 16, Hardware.h200(), "owner", CURRENT, 5, 2, "standard", 1, "replica", True)
+    args = (tuple(shapes), 16, Hardware.h200(), "owner", CURRENT, 5, 2, "standard", 1, "replica", True, 16)
     assert _predict(*args) == first
     assert predict(shapes, 16, owners="auto", split=True) is first
     assert predict(shapes, 16, owners="mesh", replicas=2, split=True) != first

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from muon_dtensor.planning.costmodel import Hardware, predict
+from muon_dtensor.planning.costmodel import CURRENT, Hardware, predict
 from muon_dtensor.planning.experts import ExpertLayout, expert_owned, moe_memory, moe_predict
 from muon_dtensor.planning.shapes import DEEPSEEK_V3, KIMI_K2, MoEModel
 from muon_dtensor.planning.traffic import mean_traffic
@@ -63,10 +63,13 @@ def test_whole_experts_move_nothing(ep: int | None) -> None:
 def test_ep_by_fsdp_is_the_dense_group_then_one_fsdp_group() -> None:
     """ep 8 on 64 GPUs: 32 experts per ep rank, rows over 8 ranks ep apart (one per node). The step
     is the dense group on 64 ranks plus one 8-rank group of 32 x 3 x 58 experts (all 8 at once),
-    whose mean bytes are traffic.py's 2 M (F - 1) / F^2 for its M bytes."""
+    whose mean bytes are traffic.py's 2 M (F - 1) / F^2 for its M bytes. The optimizer plans the
+    experts' whole mesh, so the check sums over all 64 ranks and the 8 groups share a round's bytes
+    (each its eighth)."""
     parts = moe_predict(DEEPSEEK_V3, ExpertLayout(64, 8))
     one_per_node = Hardware.h200(gpus_per_node=1)
-    group = predict(DEEPSEEK_V3.expert_shapes(32), 8, one_per_node)
+    impl = replace(CURRENT, max_round_bytes=CURRENT.max_round_bytes // 8)  # type: ignore[operator]
+    group = predict(DEEPSEEK_V3.expert_shapes(32), 8, one_per_node, impl=impl, check_ranks=64)
     assert parts.experts == group
     assert parts.step.total == pytest.approx(parts.dense.total + group.total)
     assert parts.step.comm == pytest.approx(parts.dense.comm + group.comm)

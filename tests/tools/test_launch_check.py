@@ -59,8 +59,8 @@ def test_cli_on_a_config_json_with_experts(tmp_path: Path, capsys: pytest.Captur
     path.write_text(json.dumps(SMALL | {"num_local_experts": 72, "moe_intermediate_size": 32}))
     assert entry(["plan", "--check", str(path), "--gpus", "16"]) == 0
     out = capsys.readouterr().out
-    # per layer q, k, v, o, the router, and 72 experts in each of two stacks
-    assert f"Muon: {2 * (5 + 2 * 72):,} matrices" in out and "OK:" in out
+    # per layer q, k, v, o, the router, and 72 experts in each of three stacks (gate, up, down)
+    assert f"Muon: {2 * (5 + 3 * 72):,} matrices" in out and "OK:" in out
 
 
 def test_cli_with_hsdp_and_tp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -150,7 +150,7 @@ def test_ns_split_auto_is_priced(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (json.dumps(SMALL | {"hidden_size": True}), "'hidden_size' must be a positive integer but is True"),
         (
             json.dumps(SMALL | {"num_hidden_layers": 10_000, "num_local_experts": 60_000}),
-            "1,200,050,000 Muon matrices, above the limit of 1,048,576",
+            "1,800,050,000 Muon matrices, above the limit of 1,048,576",
         ),
     ],
 )
@@ -160,4 +160,33 @@ def test_configs_it_cannot_check_exit_2(
     path = tmp_path / "config.json"
     path.write_text(text)
     assert entry(["plan", "--check", str(path), "--gpus", "8"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_takes_ep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--check`` refused ``--ep``; it now lays the stacks out as torchtitan does (experts over ep,
+    rows over gpus / ep) and prices the launch's one step as dense then expert groups."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL | {"num_local_experts": 8, "moe_intermediate_size": 32}))
+    assert entry(["plan", "--check", str(path), "--gpus", "16", "--ep", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "x EP 4 for the experts (gpus / ep = 4 ranks each)" in out and "over ep 4" in out
+    # the experts' plan over 16 ranks: each expert's rows on its 4 ranks, owned by one of them, so
+    # the 2 x 3 x 8 expert matrices are 3 per rank
+    assert "16 ranks: 1.000, 3-3 matrices per rank" in out, out
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "ep", "message"),
+    [
+        ("llama3-8b", "64", "8", "--ep 8: the model has no expert stacks"),
+        ("deepseek-v3", "64", "3", "--ep 3 must divide --gpus 64"),
+        ("deepseek-v3", "48", "3", "--ep 3 does not divide deepseek-v3's 256 experts"),
+    ],
+)
+def test_check_refuses_an_ep_it_cannot_lay_out(
+    config: str, gpus: str, ep: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any layout is built: exit 2 naming --ep, its value and the fix."""
+    assert entry(["plan", "--check", config, "--gpus", gpus, "--ep", ep]) == 2
     assert message in capsys.readouterr().err

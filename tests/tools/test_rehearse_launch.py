@@ -41,13 +41,25 @@ def test_moe_config_rehearses(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["plan", "--rehearse", _config(tmp_path, MOE), "--gpus", "16", "--skip-ns", "--head-dim", "0"]
     assert cli([*argv, *(["--ep", str(ep)] if ep else [])]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    # 2 layers x (q, k, v, o, router) + 2 layers x 2 stacks x 8 experts
-    assert "Muon matrices: 42;" in out
+    # 2 layers x (q, k, v, o, router) + 2 layers x 3 stacks (gate, up, down) x 8 experts
+    assert "Muon matrices: 58;" in out
     assert ("x EP 4 for the experts" in out) == bool(ep)
     assert f"process groups created: {2 if ep else 0} by the meshes" in out
     # the model prices dense and expert groups (experts.moe_predict): its collectives are the run's
     assert f"| collectives | {6 if ep else 3} | {6 if ep else 3} |" in out
     assert not dist.is_initialized()
+
+
+def test_busiest_with_ep() -> None:
+    """--busiest with --ep was refused (the plans before launch had no ep layout); ``lay_out`` lays
+    the stacks out over ep x gpus / ep now (experts Shard(0) over 4 consecutive ranks, rows over the
+    4 ranks of each ep rank's group), so the rank comes from the plans the step builds: one plan of
+    the dense matrices and one of the 2 x 3 stacks' 8 experts, both over all 16 ranks."""
+    laid = lay_out(meta_model(MOE), 16, head_dim=None, ep=4)
+    assert sorted(p.group_size for p in laid.plans.values()) == [16, 16]
+    assert sorted(len(p.entries) for p in laid.plans.values()) == [2 * 5, 2 * 3 * 8]
+    chosen = busiest(laid, 16, Hardware.h200(), 5)
+    assert 0 <= chosen.rank < 16 and chosen.why().startswith(f"rank {chosen.rank} has the most modelled work")
 
 
 @pytest.mark.parametrize(
