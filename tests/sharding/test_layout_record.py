@@ -7,33 +7,19 @@ process on the fake backend."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from muon_dtensor import Muon
 from muon_dtensor.optim import group_sharding
 from muon_dtensor.sharding.plan import param_layout
 from muon_dtensor.sharding.plan.blocks import AxisShard, mesh_blocks, shard_blocks
 from muon_dtensor.sharding.plan.param_layout import describe, read_layout
-
-RANK, WORLD = 5, 16
-
-
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _hsdp(rows: int, grad: bool = False) -> Any:

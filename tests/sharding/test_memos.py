@@ -9,29 +9,15 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from muon_dtensor.base.weak_memo import WeakMemo
 from muon_dtensor.sharding.plan import param_layout
 from muon_dtensor.sharding.plan.param_layout import describe
-
-RANK, WORLD = 5, 16
-
-
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.sharding.conftest import RANK
 
 
 def _param(shape: tuple[int, ...]) -> DTensor:
