@@ -90,8 +90,8 @@ def check_groups(group: dist.ProcessGroup) -> list[tuple[dist.ProcessGroup, bool
     check's sum takes log2 P two-rank all-gathers, not gloo's ring of 4 (P - 1) hops. Each pair is
     created on first use by its two ranks alone, named from its members (``_named``): call this on
     every rank of ``group`` at the same point, as the check's sum is. Kept per group after the first
-    call: working the steps out reads the group's P ranks (70 us of CPU at 1,024 ranks, 140 us at
-    8,192, every sum of every step before)."""
+    call: working the steps out reads the group's P ranks (38 us of CPU at 1,024 ranks, 80 us at
+    8,192, every sum of every step before; ``benchmarks/results/check_steps_lookup.json``)."""
     kept = _CHECK_STEPS.get(group)
     if kept is None or kept[0] != grid.GRID_ABOVE:
         size = dist.get_world_size(group)
