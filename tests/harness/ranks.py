@@ -43,7 +43,7 @@ from typing import IO, Any
 from muon_dtensor.testing import RankError
 from muon_dtensor.testing.launcher import exit_code
 
-__all__ = ["STARTS", "RankError", "run_ranks", "shutdown"]
+__all__ = ["STARTS", "RankError", "process_state", "run_ranks", "shutdown"]
 
 START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
 GRACE = 3.0  # seconds the other ranks get to report once one rank has failed
@@ -86,6 +86,14 @@ def shutdown() -> None:
     """Stop every pool (the session's end); workers leave their loop when their stdin closes."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, T stopped, Z zombie, ...), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def _import_root(module: str) -> str:

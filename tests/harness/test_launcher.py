@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from muon_dtensor.testing import RankError, run_ranks
 from muon_dtensor.testing import runner as testing
+from tests.harness.ranks import process_state
 
 
 def who() -> tuple[int, int, int, bool, str]:
@@ -62,9 +63,11 @@ def test_a_hanging_rank_dies_with_its_launcher(tmp_path: Path) -> None:
         run_ranks(hang_on_rank_1, 2, str(tmp_path), timeout=5)
     pid = int((tmp_path / "pid1").read_text())
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z" and time.monotonic() < deadline:
+    while Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", "the hanging rank outlived the call"
+    assert not Path(f"/proc/{pid}").exists() or process_state(pid) == "Z", (
+        "the hanging rank outlived the call"
+    )
 
 
 @pytest.mark.slow  # two more launchers (another environment, another thread): torch imported again
@@ -83,13 +86,6 @@ def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_ow
     with ThreadPoolExecutor(1) as pool:  # another thread: a launcher for that launch only
         threaded = pool.submit(run_ranks, who, 2).result()
     assert threaded[0][2] not in (first[0][2], other[0][2]) and [r[0] for r in threaded] == [0, 1]
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def stdin_of_rank() -> tuple[str, str]:
@@ -273,4 +269,4 @@ def _wait_for_pids(folder: Path, proc: subprocess.Popen) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "gone")
+    return Path(f"/proc/{pid}").exists() and process_state(pid) not in ("Z", "gone")

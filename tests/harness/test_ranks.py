@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.harness import ranks
-from tests.harness.ranks import GRACE, RankError, run_ranks
+from tests.harness.ranks import GRACE, RankError, process_state, run_ranks
 
 
 @pytest.mark.slow
@@ -62,16 +61,12 @@ def test_a_pool_sleeps_between_calls_and_wakes_for_the_next() -> None:
     if 2 not in ranks._POOLS:  # retired after the call (earlier tests' groups): the next one is fresh
         first = run_ranks(pid, 2)
     deadline = time.monotonic() + 10  # a signal is delivered when the process is next scheduled
-    while {_state(p) for p in first} != {"T"} and time.monotonic() < deadline:
+    while {process_state(p) for p in first} != {"T"} and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert {_state(p) for p in first} == {"T"}, [(p, _state(p)) for p in first]
+    assert {process_state(p) for p in first} == {"T"}, [(p, process_state(p)) for p in first]
     again = run_ranks(pid_and_group_sum, 2)
     assert [p for p, _ in again] == first  # the same pool, awake again
     assert [s for _, s in again] == [1.0, 1.0]
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 # Rank functions (run by tests.harness.ranks in every rank of the pool).
