@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from muon_dtensor.testing import RankError
 from muon_dtensor.testing.launcher import exit_code
+from tests.harness.zygote import Forked, Zygote
 
 __all__ = ["STARTS", "RankError", "process_state", "run_ranks", "shutdown"]
 
@@ -122,26 +123,10 @@ class _Pool:
         }
         for r in range(world_size):
             (self.folder / f"stderr{r}").touch()
-        reads, writes = zip(*(os.pipe() for _ in range(world_size)))  # a task line per worker
-        with open(self.folder / "stderr0", "ab") as log:
-            self.launcher = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    __name__,
-                    str(self.folder),
-                    str(world_size),
-                    ",".join(map(str, reads)),
-                ],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                pass_fds=reads,
-                start_new_session=True,  # the launcher and its workers: one group to stop and continue
-            )
-        for fd in reads:
-            os.close(fd)
+            os.mkfifo(self.folder / f"tasks{r}")  # a task line per worker
+        # read-write: the open does not wait for the worker; its EOF comes when this end closes
+        writes = [os.open(self.folder / f"tasks{r}", os.O_RDWR) for r in range(world_size)]
+        self.launcher = _launcher(env, self.folder, world_size)
         self.procs = [
             _Worker(self.launcher, self.folder, r, os.fdopen(w, "wb")) for r, w in enumerate(writes)
         ]
@@ -243,7 +228,9 @@ class _Worker:
     """One forked worker, as the pool sees it: its task pipe and its exit code, which the launcher
     writes to ``exit<rank>`` when it reaps the worker (the launcher's own code if it died first)."""
 
-    def __init__(self, launcher: subprocess.Popen, folder: Path, rank: int, stdin: IO[bytes]) -> None:
+    def __init__(
+        self, launcher: Forked | subprocess.Popen, folder: Path, rank: int, stdin: IO[bytes]
+    ) -> None:
         self.launcher, self.exit, self.stdin = launcher, folder / f"exit{rank}", stdin
 
     def poll(self) -> int | None:
@@ -278,20 +265,58 @@ _POOLS: dict[int, _Pool] = {}
 atexit.register(shutdown)
 
 
-def _launch(folder: Path, world_size: int, reads: list[int]) -> None:
-    """The pool's launcher: import once, fork one worker per rank (its task pipe as stdin, its
-    stderr to its own log), record each worker's exit code as it is reaped."""
+def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | subprocess.Popen:
+    """The pool's launcher: forked by the session's zygote where the environment is the zygote's
+    (``PYTEST_CURRENT_TEST`` aside), else an interpreter of its own."""
+    key = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [Zygote(env)]
+    zygote = _ZYGOTE[0]
+    if {k: v for k, v in zygote.env.items() if k != "PYTEST_CURRENT_TEST"} == key:
+        forked = zygote.fork(str(folder), world_size, START_TIMEOUT)
+        if forked is not None:
+            return forked
+    with open(folder / "stderr0", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__, str(folder), str(world_size)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,  # the launcher and its workers: one group to stop and continue
+        )
+
+
+_ZYGOTE: list[Zygote] = []
+
+
+def _close_zygote() -> None:
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
+
+
+atexit.register(_close_zygote)
+
+
+def launch_pool(folder: str, world_size: int) -> None:
+    """The pool's launcher: fork one worker per rank (its task FIFO as stdin, its stderr to its own
+    log), record each worker's exit code as it is reaped. Its own stderr is rank 0's log."""
     from muon_dtensor.testing.launcher import fork_ranks, preload, rank_stderr, reap
 
-    preload()
+    rank_stderr(Path(folder, "stderr0"))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # not the zygote's request pipe, nor its answers
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    preload()  # done already where a zygote forked this launcher
 
     def worker(rank: int) -> int:
-        rank_stderr(folder / f"stderr{rank}")
-        sys.stdin = os.fdopen(reads[rank], "r")
-        _serve(folder, rank, world_size)  # leaves with os._exit
+        rank_stderr(Path(folder, f"stderr{rank}"))
+        sys.stdin = open(Path(folder, f"tasks{rank}"))  # noqa: SIM115 - the worker's for its lifetime
+        _serve(Path(folder), rank, world_size)  # leaves with os._exit
         return 1
 
-    reap(fork_ranks(world_size, worker), folder)
+    reap(fork_ranks(world_size, worker), Path(folder))
     os._exit(0)
 
 
@@ -360,4 +385,4 @@ if __name__ == "__main__":
     from muon_dtensor.testing.launcher import die_with_parent
 
     die_with_parent(int(os.environ["MUON_DTENSOR_POOL_PARENT"]))
-    _launch(Path(sys.argv[1]), int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")])
+    launch_pool(sys.argv[1], int(sys.argv[2]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,38 @@ def test_a_pool_sleeps_between_calls_and_wakes_for_the_next() -> None:
     assert [s for _, s in again] == [1.0, 1.0]
 
 
+def test_a_pool_is_forked_by_the_sessions_zygote_and_another_environment_gets_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool's launcher is a fork of the session's zygote, which imported torch once, so a pool
+    that starts again costs no import; a pool asked for under another environment gets an
+    interpreter of its own, started by this process, and its workers see that environment."""
+    _retire(2)
+    launcher = run_ranks(parent_and_variable, 2)[0][0]
+    assert _parent(launcher) == ranks._ZYGOTE[0].proc.pid != os.getpid()
+    _retire(2)
+    monkeypatch.setenv("MUON_DTENSOR_POOL_TEST", "1")
+    own = run_ranks(parent_and_variable, 2)
+    assert _parent(own[0][0]) == os.getpid() and [v for _, v in own] == ["1", "1"]
+    _retire(2)  # the next test's pool gets the session's environment
+
+
+def _retire(world_size: int) -> None:
+    pool = ranks._POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 # Rank functions (run by tests.harness.ranks in every rank of the pool).
+
+
+def parent_and_variable() -> tuple[int, str | None]:
+    """This worker's launcher, and what it sees of the test's variable."""
+    return os.getppid(), os.environ.get("MUON_DTENSOR_POOL_TEST")
 
 
 def pid_and_group_sum() -> tuple[int, float]:

@@ -134,8 +134,9 @@ def test_momentum_dtypes_add_no_host_ops_per_layer() -> None:
 
 @pytest.mark.slow
 def test_momentum_dtypes_add_no_more_host_ops_per_layer_than_float32_at_width_512() -> None:
-    """At width 512 a rank's gate matrices of 16 layers fill 12.6M elements: int8 momentum's fixed
-    chunks of 2**22 added 16.5 ops per layer, and bf16's pass over CPU pieces more ops per piece than
+    """At width 512 a rank's gate matrices of 8 layers fill 6.3M elements: int8 momentum's fixed
+    chunks of 2**22 added 16.5 ops per layer (measured at 8 and 16 layers; 4 and 8 cross a chunk
+    boundary as well, at half the CPU), and bf16's pass over CPU pieces more ops per piece than
     float32's (on CPU, float32's pieces grow with the elements too; CUDA buckets do not)."""
-    added = _ops_per_layer(512, 8)
+    added = _ops_per_layer(512, 4)
     assert added["int8"] <= added["float32"] and added["bfloat16"] <= added["float32"], added
