@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["LOADING", "FunctionRef", "lookup", "resolve", "worker"]
+__all__ = ["LOADING", "FunctionRef", "join", "lookup", "resolve", "worker"]
 
 LOADING: list[str] = []  # the module or script a rank is importing to find its function, meanwhile
 
@@ -95,10 +95,7 @@ def worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
     torch.set_num_threads(1)
     outcome: tuple[str, Any]
     try:
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+        join(dist, rank, world_size, tmp)
         fn = resolve(pickle.loads(Path(tmp, "fn.pkl").read_bytes()))  # first: args may need its module
         args = pickle.loads(Path(tmp, "args.pkl").read_bytes())
         outcome = ("ok", fn(*args))
@@ -110,6 +107,20 @@ def worker(spec: str, rank: int, world_size: int, tmp: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def join(dist: ModuleType, rank: int, world_size: int, tmp: str) -> None:
+    """Join the world's default group, then wait until every rank has joined: a rank whose function
+    does not communicate would otherwise leave while a slower peer's gloo still waits for its side
+    of the connection, and that peer's init fails with "Connection closed by peer" (gloo's
+    ``Pair::waitUntilConnected`` throws the error its loop thread saw first; CI, stop 53)."""
+    import torch
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+    dist.all_reduce(torch.zeros(1))  # a host tensor: gloo's, even beside NCCL (a barrier may pick NCCL)
 
 
 def _stdin_devnull() -> None:

@@ -3,10 +3,11 @@
 ``run_ranks(fn, world_size, *args, timeout=...)`` has the signature and the results of
 ``muon_dtensor.testing.run_ranks``: each rank runs ``module:function(*args)`` and the call returns
 every rank's return value, or raises ``RankError`` with the failing rank's traceback. The difference is
-that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, one
-launcher imports torch once and forks the workers, each joins a gloo process group once, then loops
-over tasks read from its own pipe (the pattern of torch's ``MultiProcContinuousTest``). That takes the
-seconds of start-up and rendezvous off every call.
+that the ranks are not fresh processes: one pool per world size (1, 2, 4) is started on first use, its
+launcher (a fork of the session's zygote, tests/harness/zygote.py, which imported torch once) forks the
+workers, each joins a gloo process group once, then loops over tasks read from its own FIFO (the
+pattern of torch's ``MultiProcContinuousTest``). That takes the seconds of start-up and rendezvous
+off every call.
 
 Safety rules: every call has a deadline; a rank that raises, hangs or dies makes the whole pool be killed
 (a rank that raised may have left the others waiting in a collective) and the next call starts a new one;
@@ -16,7 +17,7 @@ device mesh makes some) stay alive: torch's caches keep equal meshes from earlie
 groups after each task made a later task get a mesh whose group was gone), so instead a pool whose
 workers hold more than MAX_THREADS threads (gloo keeps threads per group, each polling) is retired after the
 call. A
-worker exits when the session closes its pipe and dies with its launcher, which dies with pytest
+worker exits when the session closes its FIFO and dies with its launcher, which dies with pytest
 (PR_SET_PDEATHSIG), if killed.
 
 Tests that need fresh processes (a rank that calls ``os._exit`` on purpose, patched package internals,
@@ -225,7 +226,7 @@ class _Pool:
 
 
 class _Worker:
-    """One forked worker, as the pool sees it: its task pipe and its exit code, which the launcher
+    """One forked worker, as the pool sees it: its task FIFO and its exit code, which the launcher
     writes to ``exit<rank>`` when it reaps the worker (the launcher's own code if it died first)."""
 
     def __init__(

@@ -105,6 +105,23 @@ def test_a_ranks_stdin_is_dev_null() -> None:
     assert run_ranks(stdin_of_rank, 2, timeout=30) == [("/dev/null", "")] * 2
 
 
+def test_a_rank_runs_its_function_only_after_every_rank_has_joined(tmp_path: Path) -> None:
+    """A rank whose function does not communicate must not leave while a peer's gloo is still
+    connecting to it (CI, stop 53: "Connection closed by peer" in a slower rank's init): joining
+    ends with a collective over every rank, which no rank finishes before all have connected."""
+    from types import SimpleNamespace
+
+    from muon_dtensor.testing.rank import join
+
+    calls: list[tuple[str, object]] = []
+    fake = SimpleNamespace(
+        init_process_group=lambda backend, **kw: calls.append(("init", (kw["rank"], kw["world_size"]))),
+        all_reduce=lambda tensor, **kw: calls.append(("all_reduce", (tensor.device.type, kw.get("group")))),
+    )
+    join(fake, 1, 2, str(tmp_path))  # type: ignore[arg-type]
+    assert calls == [("init", (1, 2)), ("all_reduce", ("cpu", None))]  # the world's group, on the host
+
+
 @pytest.mark.slow  # a fresh launcher: torch imported again (the fast loop keeps the served launch)
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
 def test_a_changed_umask_gets_a_fresh_launcher(tmp_path: Path) -> None:
@@ -199,8 +216,11 @@ def test_a_same_size_edit_within_the_second_loses_its_bytecode(tmp_path: Path) -
 # group (``group``), a notebook's interrupt to the caller alone. Either way the ranks end, and nothing
 # but the caller's own output reaches its stderr.
 INTERRUPTED_CALLER = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
+# Ctrl-C raises KeyboardInterrupt here even where the session was started with SIGINT ignored (a
+# background job of a non-interactive shell is: Python then leaves it ignored in every child)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch.distributed as dist
 from muon_dtensor.testing import run_ranks
 
