@@ -134,9 +134,11 @@ def test_momentum_dtypes_add_no_host_ops_per_layer() -> None:
 
 @pytest.mark.slow
 def test_momentum_dtypes_add_no_more_host_ops_per_layer_than_float32_at_width_512() -> None:
-    """At width 512 a rank's gate matrices of 8 layers fill 6.3M elements: int8 momentum's fixed
-    chunks of 2**22 added 16.5 ops per layer (measured at 8 and 16 layers; 4 and 8 cross a chunk
-    boundary as well, at half the CPU), and bf16's pass over CPU pieces more ops per piece than
-    float32's (on CPU, float32's pieces grow with the elements too; CUDA buckets do not)."""
+    """At width 512 a rank's gate matrices of 8 layers fill 6.3M elements. Once, int8 momentum's
+    fixed chunks of 2**22 added 16.5 ops per layer (measured at 8 and 16 layers), and bf16's pass over
+    CPU pieces more ops per piece than float32's (on CPU, float32's pieces grow with the elements
+    too; CUDA buckets do not). Chunks now grow with the device's memory and int8 no longer issues ops
+    per chunk: a fixed 2**22 chunk put back passes at 4 and 8 layers and at 8 and 16 alike (stop 54),
+    so this holds each dtype's added ops per layer to float32's, at half the old CPU."""
     added = _ops_per_layer(512, 4)
     assert added["int8"] <= added["float32"] and added["bfloat16"] <= added["float32"], added
