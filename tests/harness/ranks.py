@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -114,7 +114,14 @@ class _Pool:
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix=f"muon_dtensor_pool{world_size}_"))
         self.tasks = itertools.count()
-        env = _pool_env(os.environ)
+        roots = [_import_root(__name__), _import_root("muon_dtensor"), os.environ.get("PYTHONPATH")]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
+            "MUON_DTENSOR_POOL_PARENT": str(os.getpid()),  # the launcher dies with this session
+        }
         for r in range(world_size):
             (self.folder / f"stderr{r}").touch()
             os.mkfifo(self.folder / f"tasks{r}")  # a task line per worker
@@ -259,31 +266,15 @@ _POOLS: dict[int, _Pool] = {}
 atexit.register(shutdown)
 
 
-def _pool_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """A pool's environment: ``environ`` with one thread, no GPU, this code first on the path."""
-    roots = [_import_root(__name__), _import_root("muon_dtensor"), environ.get("PYTHONPATH")]
-    return {
-        **environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
-        "MUON_DTENSOR_POOL_PARENT": str(os.getpid()),  # the launcher dies with this session
-    }
-
-
-# The session's environment, read at import (collection), before any test changes it: the zygote's,
-# whichever test starts the first pool.
-_SESSION_ENVIRON = dict(os.environ)
-
-
 def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | subprocess.Popen:
-    """The pool's launcher: forked by the session's zygote where ``env`` is the session's
+    """The pool's launcher: forked by the session's zygote where the environment is the zygote's
     (``PYTEST_CURRENT_TEST`` aside), else an interpreter of its own."""
-    session = _pool_env(_SESSION_ENVIRON)
-    if _same(env, session):
-        if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
-            _ZYGOTE[:] = [Zygote(session)]
-        forked = _ZYGOTE[0].fork(str(folder), world_size, START_TIMEOUT)
+    key = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [Zygote(env)]
+    zygote = _ZYGOTE[0]
+    if {k: v for k, v in zygote.env.items() if k != "PYTEST_CURRENT_TEST"} == key:
+        forked = zygote.fork(str(folder), world_size, START_TIMEOUT)
         if forked is not None:
             return forked
     with open(folder / "stderr0", "ab") as log:
@@ -298,13 +289,6 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
 
 
 _ZYGOTE: list[Zygote] = []
-
-
-def _same(env: Mapping[str, str], other: Mapping[str, str]) -> bool:
-    volatile = "PYTEST_CURRENT_TEST"  # pytest changes it for every test; torch never reads it
-    return {k: v for k, v in env.items() if k != volatile} == {
-        k: v for k, v in other.items() if k != volatile
-    }
 
 
 def _close_zygote() -> None:
