@@ -34,6 +34,10 @@ TIMES: list[tuple[str, float, float]] = []  # each job's start and end, seconds 
 # The environment at the session's start: a job runs beside tests that may change os.environ for a
 # while (monkeypatch.setenv), so it builds its subprocesses' environment from this one (``environ``).
 _ENVIRON = dict(os.environ)
+# The folder at the session's start, for the same reason: a test may chdir for a while
+# (monkeypatch.chdir), and a job started meanwhile would otherwise run there (two jobs' ``python -c``
+# once failed with "No module named 'tests'", started while a launcher test had moved).
+_CWD = os.getcwd()
 
 
 def environ(**extra: str) -> dict[str, str]:
@@ -73,11 +77,12 @@ def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any
 
 
 def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:
-    """``subprocess.Popen`` in a session of its own, killed (with its children) if the session ends first."""
+    """``subprocess.Popen`` in a session of its own, killed (with its children) if the session ends
+    first; in the session's starting folder unless ``cwd`` says otherwise."""
     runner = _RUNNER[0] if _RUNNER else None
     if runner is not None and runner.closed:
         raise RuntimeError("the session ended before this run started")
-    proc = subprocess.Popen(command, start_new_session=True, **kwargs)
+    proc = subprocess.Popen(command, start_new_session=True, **{"cwd": _CWD, **kwargs})
     if runner is not None:
         runner.procs.append(proc)
     return proc
