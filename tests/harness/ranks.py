@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from muon_dtensor.testing import RankError
-from muon_dtensor.testing.launcher import exit_code
-from tests.harness.zygote import Forked, Zygote
+from muon_dtensor.testing.launcher import VOLATILE, exit_code
+from tests.harness.zygote import Forked, Zygote, process_state
 
 __all__ = ["STARTS", "RankError", "process_state", "run_ranks", "shutdown"]
 
@@ -88,14 +88,6 @@ def shutdown() -> None:
     """Stop every pool (the session's end); workers leave their loop when their stdin closes."""
     while _POOLS:
         _POOLS.popitem()[1].close()
-
-
-def process_state(pid: int) -> str:
-    """A process's state letter from /proc (R, S, T stopped, Z zombie, ...), or "gone"."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def _import_root(module: str) -> str:
@@ -268,12 +260,12 @@ atexit.register(shutdown)
 
 def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | subprocess.Popen:
     """The pool's launcher: forked by the session's zygote where the environment is the zygote's
-    (``PYTEST_CURRENT_TEST`` aside), else an interpreter of its own."""
-    key = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    (``VOLATILE`` aside, as the kept launchers of ``muon_dtensor.testing`` compare), else an
+    interpreter of its own."""
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         _ZYGOTE[:] = [Zygote(env)]
     zygote = _ZYGOTE[0]
-    if {k: v for k, v in zygote.env.items() if k != "PYTEST_CURRENT_TEST"} == key:
+    if _steady(zygote.env) == _steady(env):
         forked = zygote.fork(str(folder), world_size, START_TIMEOUT)
         if forked is not None:
             return forked
@@ -289,6 +281,10 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
 
 
 _ZYGOTE: list[Zygote] = []
+
+
+def _steady(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE}
 
 
 def _close_zygote() -> None:

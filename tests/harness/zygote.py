@@ -20,7 +20,16 @@ import subprocess
 import sys
 import time
 
-__all__ = ["Forked", "Zygote"]
+__all__ = ["Forked", "Zygote", "process_state"]
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, T stopped, Z zombie, ...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 class Forked:
@@ -31,12 +40,7 @@ class Forked:
         self.pid = pid
 
     def poll(self) -> int | None:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return 1
-        return 1 if state in ("Z", "X") else None
+        return 1 if process_state(self.pid) in ("Z", "X", "gone") else None
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
