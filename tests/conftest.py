@@ -118,13 +118,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         spans = ", ".join(f"{n} {a:.0f}-{b:.0f}" for n, a, b in background.TIMES)
         terminalreporter.write_line(f"background jobs (s after collection): {spans}")
     if ranks.STARTS:
-        seconds = sum(s for _, s, _ in ranks.STARTS)
-        sizes = sorted({w for w, _, _ in ranks.STARTS})
-        counts = ", ".join(f"{w} ranks: {sum(1 for x, _, _ in ranks.STARTS if x == w)}" for w in sizes)
-        terminalreporter.write_line(f"rank pools started: {len(ranks.STARTS)} ({counts}), {seconds:.1f} s")
+        seconds = sum(s for _, s, _, _ in ranks.STARTS)
+        sizes = sorted({w for w, _, _, _ in ranks.STARTS})
+        counts = ", ".join(f"{w} ranks: {sum(1 for x, _, _, _ in ranks.STARTS if x == w)}" for w in sizes)
+        own = sum(1 for *_, forked in ranks.STARTS if not forked)
+        terminalreporter.write_line(
+            f"rank pools started: {len(ranks.STARTS)} ({counts}), {seconds:.1f} s; "
+            f"{own} with an interpreter of their own, the rest forked by the zygote"
+        )
         if os.environ.get("MUON_DTENSOR_POOL_STARTS"):
-            for w, s, test in ranks.STARTS:
-                terminalreporter.write_line(f"  {w} ranks, {s:.1f} s, for {test}")
+            for w, s, test, forked in ranks.STARTS:
+                how = "forked" if forked else "own interpreter"
+                terminalreporter.write_line(f"  {w} ranks, {s:.1f} s, {how}, for {test}")
 
 
 @pytest.fixture

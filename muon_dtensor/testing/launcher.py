@@ -47,12 +47,15 @@ from .rank import worker
 __all__ = ["die_with_parent", "exit_code", "fork_ranks", "preload", "rank_stderr", "reap"]
 
 # What every rank imports anyway; the environment is the ranks' own, so an import reads the same.
+# torch._dynamo: fully_shard imports it at its first call (torch/_compile.py, _disable_dynamo),
+# 0.8 s in every rank that shards a model when the launcher has not.
 PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    "torch._dynamo",
 )
 # Imported too where they import (a bad setting they check at import then fails in each rank, with
 # its traceback): the optimizer and the checkpoint helpers, which nearly every rank function uses.

@@ -57,7 +57,7 @@ MAX_THREADS = 150
 
 # Every pool started in this session: (world size, seconds to start, the test that started it). A pool
 # starts on first use and again after one is retired; conftest.py prints the summary.
-STARTS: list[tuple[int, float, str]] = []
+STARTS: list[tuple[int, float, str, bool]] = []
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -125,7 +125,8 @@ class _Pool:
         ]
         self._wait_ready()
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
-        STARTS.append((world_size, time.monotonic() - start, test))
+        forked = isinstance(self.launcher, Forked)
+        STARTS.append((world_size, time.monotonic() - start, test, forked))
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -266,7 +267,7 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
         _ZYGOTE[:] = [Zygote(env)]
     zygote = _ZYGOTE[0]
     if _steady(zygote.env) == _steady(env):
-        forked = zygote.fork(str(folder), world_size, START_TIMEOUT)
+        forked = zygote.fork(str(folder), world_size, START_TIMEOUT, env)
         if forked is not None:
             return forked
     with open(folder / "stderr0", "ab") as log:
@@ -283,8 +284,16 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
 _ZYGOTE: list[Zygote] = []
 
 
+# Read by torch only when it first needs the directory, and set then in the process that asked
+# (torch._inductor.runtime.cache_dir_utils): a session that touched the inductor cache has it, its
+# zygote may not, and every pool after that started an interpreter of its own (3 of 3 in
+# tests/checkpoint/test_checkpoint.py's resume tests).
+SET_LAZILY = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def _steady(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in VOLATILE}
+    """What an import may read of ``env``: the launcher's ``VOLATILE`` and ``SET_LAZILY`` aside."""
+    return {k: v for k, v in env.items() if k not in VOLATILE + SET_LAZILY}
 
 
 def _close_zygote() -> None:

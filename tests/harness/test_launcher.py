@@ -81,10 +81,11 @@ def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_ow
     moved = run_ranks(who, 2)
     assert moved[0][2] == first[0][2] and {r[4] for r in moved} == {str(tmp_path)}  # where the caller is now
     monkeypatch.setenv("MUON_DTENSOR_LAUNCHER_TEST", "1")
-    other = run_ranks(who, 2)
+    with ThreadPoolExecutor(1) as pool:  # another thread, at the same time: a launcher for it only
+        in_thread = pool.submit(run_ranks, who, 2)
+        other = run_ranks(who, 2)
+        threaded = in_thread.result()
     assert other[0][2] != first[0][2]  # imported torch under another environment: not reused
-    with ThreadPoolExecutor(1) as pool:  # another thread: a launcher for that launch only
-        threaded = pool.submit(run_ranks, who, 2).result()
     assert threaded[0][2] not in (first[0][2], other[0][2]) and [r[0] for r in threaded] == [0, 1]
 
 
@@ -253,27 +254,33 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow  # a launcher started and killed per case
+@pytest.mark.slow  # a caller and a launcher per case, both cases side by side
 @pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
-@pytest.mark.parametrize("group", [True, False], ids=["terminal", "caller_only"])
-def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path, group: bool) -> None:
+def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path) -> None:
+    """Both interrupts at once, each in its own caller: the terminal's (the caller's process group)
+    and a notebook's (the caller alone). Run one after the other they took 21 s of the suite, most
+    of it two interpreters importing torch and the caller's closing wait."""
     (tmp_path / "caller.py").write_text(INTERRUPTED_CALLER)
-    proc = subprocess.Popen(
-        [sys.executable, str(tmp_path / "caller.py"), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    cases = {"terminal": tmp_path / "terminal", "caller_only": tmp_path / "caller_only"}
+    procs = {}
     try:
-        pids = _wait_for_pids(tmp_path, proc)
-        if group:
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        for case, folder in cases.items():
+            folder.mkdir()
+            procs[case] = subprocess.Popen(
+                [sys.executable, str(tmp_path / "caller.py"), str(folder)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )  # fmt: skip
+        pids = {case: _wait_for_pids(folder, procs[case]) for case, folder in cases.items()}
+        os.killpg(procs["terminal"].pid, signal.SIGINT)
+        os.kill(procs["caller_only"].pid, signal.SIGINT)
+        outcomes = {case: proc.communicate(timeout=60) for case, proc in procs.items()}
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert (out, err) == ("interrupted\nended\n", ""), (out, err)
-    assert not any(_alive(pid) for pid in pids), "an interrupted rank outlived its caller"
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    for case, (out, err) in outcomes.items():
+        assert (out, err) == ("interrupted\nended\n", ""), (case, out, err)
+        assert not any(_alive(pid) for pid in pids[case]), f"{case}: an interrupted rank outlived its caller"
 
 
 def _wait_for_pids(folder: Path, proc: subprocess.Popen) -> list[int]:

@@ -12,6 +12,7 @@ a launcher end as its process being gone (or a zombie for a moment).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -21,6 +22,10 @@ import sys
 import time
 
 __all__ = ["Forked", "Zygote", "process_state"]
+
+# What the rank functions' test modules import besides the launcher's preload: every worker of every
+# pool imported them again (0.3 s each in a profile of tests/checkpoint's resume tests).
+SHARED = ("pytest", "tests.models", "tests.pipeline")
 
 
 def process_state(pid: int) -> str:
@@ -70,10 +75,12 @@ class Zygote:
             start_new_session=True,  # a terminal's Ctrl-C is the session's, as for every launcher
         )
 
-    def fork(self, folder: str, world_size: int, timeout: float) -> Forked | None:
+    def fork(self, folder: str, world_size: int, timeout: float, env: dict[str, str]) -> Forked | None:
+        """A launcher whose environment is ``env`` (the caller checked that it differs from the
+        zygote's only in what no import reads)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            self.proc.stdin.write(json.dumps([folder, world_size]).encode() + b"\n")
+            self.proc.stdin.write(json.dumps([folder, world_size, env]).encode() + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError):
             return None
@@ -101,15 +108,19 @@ def _serve(parent: int) -> None:
 
     die_with_parent(parent)
     preload()
+    for name in SHARED:
+        importlib.import_module(name)
     me = os.getpid()
     signal.signal(signal.SIGCHLD, _reap)  # reaped here, not by the kernel: their CPU counts
     for line in sys.stdin:
-        folder, world_size = json.loads(line)
+        folder, world_size, env = json.loads(line)
         pid = os.fork()
         if pid == 0:
             os.setsid()  # the launcher and its workers: one group to stop and continue
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # it waits for its own workers
             try:
+                os.environ.clear()
+                os.environ.update(env)  # the workers' environment is the pool's, as for a Popen launcher
                 die_with_parent(me)
                 launch_pool(folder, world_size)  # leaves with os._exit
             except BaseException:  # noqa: BLE001 - say why in the pool's log, then leave
