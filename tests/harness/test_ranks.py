@@ -75,13 +75,20 @@ def test_a_pool_is_forked_by_the_sessions_zygote_and_another_environment_gets_it
 ) -> None:
     """A pool's launcher is a fork of the session's zygote, which imported torch once, so a pool
     that starts again costs no import; a pool asked for under another environment gets an
-    interpreter of its own, started by this process, and its workers see that environment."""
+    interpreter of its own, started by this process, and its workers see that environment. A
+    variable torch sets when it first needs it (``ranks.SET_LAZILY``) is no other environment:
+    the zygote forks that pool too, and its workers see the variable."""
     _retire(2)
-    launcher = run_ranks(parent_and_variable, 2)[0][0]
+    launcher = run_ranks(parent_and_variable, 2, "MUON_DTENSOR_POOL_TEST")[0][0]
     assert _parent(launcher) == ranks._ZYGOTE[0].proc.pid != os.getpid()
     _retire(2)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/inductor_cache_of_the_test")
+    lazily = run_ranks(parent_and_variable, 2, "TORCHINDUCTOR_CACHE_DIR")
+    assert _parent(lazily[0][0]) == ranks._ZYGOTE[0].proc.pid
+    assert [v for _, v in lazily] == ["/nonexistent/inductor_cache_of_the_test"] * 2
+    _retire(2)
     monkeypatch.setenv("MUON_DTENSOR_POOL_TEST", "1")
-    own = run_ranks(parent_and_variable, 2)
+    own = run_ranks(parent_and_variable, 2, "MUON_DTENSOR_POOL_TEST")
     assert _parent(own[0][0]) == os.getpid() and [v for _, v in own] == ["1", "1"]
     _retire(2)  # the next test's pool gets the session's environment
 
@@ -99,9 +106,9 @@ def _parent(pid: int) -> int:
 # Rank functions (run by tests.harness.ranks in every rank of the pool).
 
 
-def parent_and_variable() -> tuple[int, str | None]:
-    """This worker's launcher, and what it sees of the test's variable."""
-    return os.getppid(), os.environ.get("MUON_DTENSOR_POOL_TEST")
+def parent_and_variable(name: str) -> tuple[int, str | None]:
+    """This worker's launcher, and what it sees of the environment variable ``name``."""
+    return os.getppid(), os.environ.get(name)
 
 
 def pid_and_group_sum() -> tuple[int, float]:
