@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, get_args
 
+from ...base.weak_memo import WeakMemo
 from ...numerics.newton_schulz import ns_flops
 from .blocks import Block, block_numel
 from .gangs import Gang, gang_cost, gang_start
@@ -59,24 +60,25 @@ EVERYONE = -1
 DEFAULT_ROUND_BYTES = 4 << 20
 
 
-# (function, id of blocks, id of replica_of, the other arguments) -> (the tuples, kept alive so the
-# ids stay theirs; the answer): a model's matrices share a few layouts, one blocks tuple each, and
-# hashing a blocks tuple of 8,192 ranks per matrix made an 8,192-rank plan take a second
-_BY_ID: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+# blocks -> replica_of -> (function, the other arguments) -> the answer, each level found by its
+# object's identity (base/weak_memo.py): a model's matrices share a few layouts, one blocks tuple
+# each, and hashing a blocks tuple of 8,192 ranks per matrix made an 8,192-rank plan take a second
+_BY_LAYOUT: WeakMemo[WeakMemo[dict[tuple[Any, ...], tuple[int, ...]]]] = WeakMemo()
 
 
 def _by_identity(
     fn: Callable[..., tuple[int, ...]], blocks: tuple[Block, ...], replica_of: Any, *rest: Any
 ) -> tuple[int, ...]:
-    key = (fn, id(blocks), id(replica_of), *rest)
-    hit = _BY_ID.get(key)
-    if hit is not None and hit[0][0] is blocks and hit[0][1] is replica_of:
-        return hit[1]
-    value = fn(blocks, replica_of, *rest)
-    if len(_BY_ID) >= 4096:
-        _BY_ID.clear()
-    _BY_ID[key] = ((blocks, replica_of), value)
-    return value
+    per_blocks = _BY_LAYOUT.get(blocks)
+    if per_blocks is None:
+        per_blocks = _BY_LAYOUT.put(blocks, WeakMemo())
+    answers = per_blocks.get(replica_of)
+    if answers is None:
+        answers = per_blocks.put(replica_of, {})
+    key = (fn, *rest)
+    if key not in answers:
+        answers[key] = fn(blocks, replica_of, *rest)
+    return answers[key]
 
 
 def _holders(
