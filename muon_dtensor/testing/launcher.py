@@ -61,9 +61,11 @@ PRELOAD = (
 # its traceback): the optimizer and the checkpoint helpers, which nearly every rank function uses.
 OURS = ("muon_dtensor.optim.optimizer", "muon_dtensor.checkpoint")
 KEPT = 2  # launchers kept per process, one per environment: a test's changed environment and the usual one
-# What pytest changes for every test and torch never reads: not a reason for a launcher of its own (each
-# rank still gets the caller's value).
-VOLATILE = ("PYTEST_CURRENT_TEST",)
+# What no import reads, so not a reason for a launcher of its own (each rank still gets the caller's
+# value): what pytest changes for every test, and the inductor cache folder, which torch reads when it
+# first needs it and sets then in the process that asked (torch._inductor.runtime.cache_dir_utils),
+# so a caller that touched the cache once had every later launch start a launcher again.
+VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
 class Launch:

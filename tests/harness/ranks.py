@@ -284,16 +284,11 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
 _ZYGOTE: list[Zygote] = []
 
 
-# Read by torch only when it first needs the directory, and set then in the process that asked
-# (torch._inductor.runtime.cache_dir_utils): a session that touched the inductor cache has it, its
-# zygote may not, and every pool after that started an interpreter of its own (3 of 3 in
-# tests/checkpoint/test_checkpoint.py's resume tests).
-SET_LAZILY = ("TORCHINDUCTOR_CACHE_DIR",)
-
-
 def _steady(env: dict[str, str]) -> dict[str, str]:
-    """What an import may read of ``env``: the launcher's ``VOLATILE`` and ``SET_LAZILY`` aside."""
-    return {k: v for k, v in env.items() if k not in VOLATILE + SET_LAZILY}
+    """What an import may read of ``env``: the launcher's ``VOLATILE`` aside (torch sets one of them,
+    the inductor cache folder, in the session when it first needs it: once a test had touched the
+    cache, every later pool imported torch again, 3 of 3 in tests/checkpoint's resume tests)."""
+    return {k: v for k, v in env.items() if k not in VOLATILE}
 
 
 def _close_zygote() -> None:

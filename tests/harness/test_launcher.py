@@ -80,6 +80,10 @@ def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_ow
     monkeypatch.chdir(tmp_path)
     moved = run_ranks(who, 2)
     assert moved[0][2] == first[0][2] and {r[4] for r in moved} == {str(tmp_path)}  # where the caller is now
+    # torch sets the inductor cache folder when it first needs it: the same launcher, the new value
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cached = run_ranks(launcher_and_variable, 2, "TORCHINDUCTOR_CACHE_DIR")
+    assert cached == [(first[0][2], str(tmp_path / "inductor"))] * 2
     monkeypatch.setenv("MUON_DTENSOR_LAUNCHER_TEST", "1")
     with ThreadPoolExecutor(1) as pool:  # another thread, at the same time: a launcher for it only
         in_thread = pool.submit(run_ranks, who, 2)
@@ -87,6 +91,10 @@ def test_the_launcher_serves_the_next_launch_and_another_environment_gets_its_ow
         threaded = in_thread.result()
     assert other[0][2] != first[0][2]  # imported torch under another environment: not reused
     assert threaded[0][2] not in (first[0][2], other[0][2]) and [r[0] for r in threaded] == [0, 1]
+
+
+def launcher_and_variable(name: str) -> tuple[int, str | None]:
+    return os.getppid(), os.environ.get(name)
 
 
 def stdin_of_rank() -> tuple[str, str]:

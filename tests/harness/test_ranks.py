@@ -76,7 +76,7 @@ def test_a_pool_is_forked_by_the_sessions_zygote_and_another_environment_gets_it
     """A pool's launcher is a fork of the session's zygote, which imported torch once, so a pool
     that starts again costs no import; a pool asked for under another environment gets an
     interpreter of its own, started by this process, and its workers see that environment. A
-    variable torch sets when it first needs it (``ranks.SET_LAZILY``) is no other environment:
+    variable torch sets when it first needs it (in ``launcher.VOLATILE``) is no other environment:
     the zygote forks that pool too, and its workers see the variable."""
     _retire(2)
     launcher = run_ranks(parent_and_variable, 2, "MUON_DTENSOR_POOL_TEST")[0][0]
