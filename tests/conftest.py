@@ -44,8 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """One torch thread in the session's own process, as every rank has (tests/harness/ranks.py,
     ``muon_dtensor.testing``): the tests' matrices are small, and the process shares the cores with the rank
     pools, the background demo runs and subprocesses, where a second BLAS thread mostly waits for a
-    core (test_gap_to_torch_optim_muon took 115 s on 2 busy cores with two threads, 2.7 s with one)."""
+    core (test_gap_to_torch_optim_muon took 115 s on 2 busy cores with two threads, 2.7 s with one).
+    The rank pools' zygote starts now, importing torch on the core the collection leaves idle."""
     torch.set_num_threads(1)
+    if not config.option.collectonly:
+        ranks.start_zygote()
 
 
 @pytest.fixture(scope="session", autouse=True)

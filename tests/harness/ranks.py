@@ -98,6 +98,26 @@ def _import_root(module: str) -> str:
     return str(Path(file).resolve().parents[depth])
 
 
+def _pool_env() -> dict[str, str]:
+    """The environment of every pool's launcher and workers: this session's, with one thread."""
+    roots = [_import_root(__name__), _import_root("muon_dtensor"), os.environ.get("PYTHONPATH")]
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
+        "MUON_DTENSOR_POOL_PARENT": str(os.getpid()),  # the launcher dies with this session
+    }
+
+
+def start_zygote() -> None:
+    """Start the session's zygote now (pytest_configure: its imports overlap the collection, 15 s
+    of one core on an AVX2 host); it is provisional until it forks a launcher: the first pool
+    asked for under another environment replaces it instead of starting an interpreter."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(_pool_env()))
+
+
 class _Pool:
     """``world_size`` worker processes, one gloo group, task files and result files in one folder."""
 
@@ -106,14 +126,7 @@ class _Pool:
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix=f"muon_dtensor_pool{world_size}_"))
         self.tasks = itertools.count()
-        roots = [_import_root(__name__), _import_root("muon_dtensor"), os.environ.get("PYTHONPATH")]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, roots))),
-            "MUON_DTENSOR_POOL_PARENT": str(os.getpid()),  # the launcher dies with this session
-        }
+        env = _pool_env()
         for r in range(world_size):
             (self.folder / f"stderr{r}").touch()
             os.mkfifo(self.folder / f"tasks{r}")  # a task line per worker
@@ -263,6 +276,8 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
     """The pool's launcher: forked by the session's zygote where the environment is the zygote's
     (``VOLATILE`` aside, as the kept launchers of ``muon_dtensor.testing`` compare), else an
     interpreter of its own."""
+    if _ZYGOTE and not _ZYGOTE[0].forked and _steady(_ZYGOTE[0].env) != _steady(env):
+        _close_zygote()  # started early, never used: the first pool's environment is the zygote's
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         _ZYGOTE[:] = [Zygote(env)]
     zygote = _ZYGOTE[0]

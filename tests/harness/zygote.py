@@ -66,6 +66,7 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
+        self.forked = False  # whether it has forked a launcher yet
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__],
             env=env,
@@ -86,6 +87,7 @@ class Zygote:
             return None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)  # its imports, at first
         line = self.proc.stdout.readline() if ready else b""
+        self.forked = self.forked or bool(line.strip())
         return Forked(int(line)) if line.strip() else None
 
     def close(self) -> None:
