@@ -122,11 +122,37 @@ def test_refused_before_any_work(tmp_path: Path, case: str, capsys: pytest.Captu
     assert time.monotonic() - start < REFUSE_S
 
 
-@pytest.mark.slow  # a subprocess
-def test_report_reads_like_a_check(tmp_path: Path) -> None:
+@background.job("plan_reports")
+def _plan_reports(folder: Path) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """The small model's report on 8 GPUs and one layer of large matrices' on 16, both through the
+    command in a fresh interpreter, in the background of the session."""
+    env = background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    (folder / "small").mkdir()
+    (folder / "big").mkdir()
+    one = {"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 1, "num_attention_heads": 32}
+    runs = []
+    for name, config, gpus in (
+        ("small", SMALL | {"head_dim": 16}, "8"),
+        ("big", one | {"vocab_size": 1000}, "16"),
+    ):
+        argv = ["--check", _config(folder / name, json.dumps(config)), "--gpus", gpus]
+        command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
+        runs.append(background.run(command, cwd=ROOT, env=env, timeout=300))
+    return runs[0], runs[1]
+
+
+@pytest.fixture
+def plan_reports() -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    return background.result("plan_reports")
+
+
+@pytest.mark.slow  # two subprocesses
+def test_report_reads_like_a_check(
+    plan_reports: tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]],
+) -> None:
     """Bytes in units that fit a small model, the config's head_dim, and ns_split="auto" suggested for a
     layer of large matrices on 16 GPUs, where the owners are unbalanced and splitting pays."""
-    small = _plan("--check", _config(tmp_path, json.dumps(SMALL | {"head_dim": 16})), "--gpus", "8")
+    small, big = plan_reports
     assert small.returncode == 0, small.stderr
     assert "| momentum (fp32) | 36.0 KiB | 36.0 KiB |" in small.stdout, small.stdout  # was 0.0 MiB
     assert "0.0" not in small.stdout.split("| per rank |")[1].split("modelled step")[0]
@@ -134,8 +160,6 @@ def test_report_reads_like_a_check(tmp_path: Path) -> None:
         "Muon's q, k, v: per head of 16 rows (the config's head_dim; --head-dim 0: whole matrices)"
         in small.stdout
     )
-    one = {"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 1, "num_attention_heads": 32}
-    big = _plan("--check", _config(tmp_path, json.dumps(one | {"vocab_size": 1000})), "--gpus", "16")
     assert big.returncode == 0, big.stderr
     assert "suggestion: owners are unbalanced (the busiest rank's Newton-Schulz is" in big.stdout
     assert 'Muon(ns_split="auto") runs the largest matrices over a few ranks' in big.stdout

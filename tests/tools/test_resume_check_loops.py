@@ -101,11 +101,37 @@ def test_a_loop_in_the_script_itself(loop_in_the_script: subprocess.CompletedPro
     _bitwise(loop_in_the_script)
 
 
-@pytest.mark.slow
-def test_a_script_that_would_start_the_check_in_every_rank_is_refused(tmp_path: Path) -> None:
+@background.job("loop_refused_in_every_rank")
+def _loop_refused_in_every_rank(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(LOOP + CHECK.replace('if __name__ == "__main__":\n', "").replace("\n    ", "\n"))
-    done = _run(script, tmp_path / "elsewhere")
+    return _run(script, tmp_path / "elsewhere")
+
+
+@background.job("loop_with_no_file")
+def _loop_with_no_file(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    code = LOOP + "\nfrom muon_dtensor.tools.resume_check import run_resume_check\n"
+    code += "run_resume_check(build, train_step, steps=3, save_at=2, world_sizes=(1, 1))\n"
+    env = background.environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return background.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=600)
+
+
+@pytest.fixture
+def loop_refused_in_every_rank() -> subprocess.CompletedProcess[str]:
+    return background.result("loop_refused_in_every_rank")
+
+
+@pytest.fixture
+def loop_with_no_file() -> subprocess.CompletedProcess[str]:
+    return background.result("loop_with_no_file")
+
+
+@pytest.mark.slow
+def test_a_script_that_would_start_the_check_in_every_rank_is_refused(
+    loop_refused_in_every_rank: subprocess.CompletedProcess[str],
+) -> None:
+    done = loop_refused_in_every_rank
     assert (
         done.returncode == 1
         and "ValueError: build is defined in train.py, which each rank runs" in done.stderr
@@ -117,11 +143,8 @@ def test_a_script_that_would_start_the_check_in_every_rank_is_refused(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_loop_with_no_file_is_refused(tmp_path: Path) -> None:
-    code = LOOP + "\nfrom muon_dtensor.tools.resume_check import run_resume_check\n"
-    code += "run_resume_check(build, train_step, steps=3, save_at=2, world_sizes=(1, 1))\n"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+def test_a_loop_with_no_file_is_refused(loop_with_no_file: subprocess.CompletedProcess[str]) -> None:
+    done = loop_with_no_file
     assert done.returncode == 1, done.stderr
     assert "build is defined in __main__ with no script file" in done.stderr
     assert "move build and train_step into a module, e.g. myloop.py" in done.stderr
