@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "result", "run"]
+__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "reader", "result", "run"]
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
@@ -73,6 +73,12 @@ def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any
     """Register the job ``name`` that is ``run(argv, timeout=timeout, **kwargs)`` (``env`` should
     come from ``environ``) and return its fixture, also named ``name``: assign it in the module."""
     job(name)(lambda folder: run(argv, timeout=timeout, **kwargs))
+    return reader(name)
+
+
+def reader(name: str) -> Any:
+    """The fixture ``name`` that returns job ``name``'s result: assign it in the module under that
+    name (a test that asks for it is moved to the session's end, and the job started)."""
     return pytest.fixture(name=name)(lambda: result(name))
 
 

@@ -141,9 +141,7 @@ def _plan_reports(folder: Path) -> tuple[subprocess.CompletedProcess[str], subpr
     return runs[0], runs[1]
 
 
-@pytest.fixture
-def plan_reports() -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
-    return background.result("plan_reports")
+plan_reports = background.reader("plan_reports")
 
 
 @pytest.mark.slow  # two subprocesses

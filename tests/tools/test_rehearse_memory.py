@@ -62,9 +62,7 @@ def _rehearse_memory(folder: Path) -> dict[int, subprocess.CompletedProcess[str]
     return {gpus: background.run([*argv, str(gpus)], cwd=ROOT, env=env, timeout=600) for gpus in GPUS}
 
 
-@pytest.fixture
-def rehearse_memory() -> dict[int, subprocess.CompletedProcess[str]]:
-    return background.result("rehearse_memory")
+rehearse_memory = background.reader("rehearse_memory")
 
 
 @pytest.mark.slow  # a fresh interpreter and up to 1.5 GiB

@@ -79,14 +79,10 @@ def _loop_in_the_script(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return _run(script, tmp_path / "elsewhere")
 
 
-@pytest.fixture
-def loop_in_a_module() -> subprocess.CompletedProcess[str]:
-    return background.result("loop_in_a_module")
+loop_in_a_module = background.reader("loop_in_a_module")
 
 
-@pytest.fixture
-def loop_in_the_script() -> subprocess.CompletedProcess[str]:
-    return background.result("loop_in_the_script")
+loop_in_the_script = background.reader("loop_in_the_script")
 
 
 @pytest.mark.slow
@@ -117,14 +113,10 @@ def _loop_with_no_file(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return background.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=600)
 
 
-@pytest.fixture
-def loop_refused_in_every_rank() -> subprocess.CompletedProcess[str]:
-    return background.result("loop_refused_in_every_rank")
+loop_refused_in_every_rank = background.reader("loop_refused_in_every_rank")
 
 
-@pytest.fixture
-def loop_with_no_file() -> subprocess.CompletedProcess[str]:
-    return background.result("loop_with_no_file")
+loop_with_no_file = background.reader("loop_with_no_file")
 
 
 @pytest.mark.slow
