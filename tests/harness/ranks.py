@@ -55,8 +55,9 @@ GRACE = 3.0  # seconds the other ranks get to report once one rank has failed
 MAX_THREADS = 150
 
 
-# Every pool started in this session: (world size, seconds to start, the test that started it). A pool
-# starts on first use and again after one is retired; conftest.py prints the summary.
+# Every pool started in this session: (world size, seconds to start, the test that started it, whether
+# the zygote forked its launcher). A pool starts on first use and again after one is retired;
+# conftest.py prints the summary.
 STARTS: list[tuple[int, float, str, bool]] = []
 
 
