@@ -170,8 +170,7 @@ def _run_demo(name: str, folder: Path) -> DemoRun:
     """``python -m muon_dtensor demo`` with ``DEMOS[name]``'s arguments and environment."""
     args, env = DEMOS[name]
     out, logs = folder / "out", folder / "demo"
-    environ = background.environ(**env)
-    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+    environ = background.importable(**env)
     out.mkdir()
     with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
         proc = background.popen(

@@ -4,7 +4,6 @@ arguments, and each resumed run is reported against its own uninterrupted twin (
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +52,7 @@ def test_layouts_the_demo_builds_are_what_they_say(layout: str, world: int) -> N
 hsdp_on_3_ranks = background.command(
     "hsdp_on_3_ranks", [sys.executable, "-m", "muon_dtensor", "demo", "--layout", "hsdp", "--world-size", "3"],
     cwd=ROOT, timeout=TIMEOUT,
-    env=background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+    env=background.importable(),
 )  # fmt: skip
 
 

@@ -11,7 +11,6 @@ imported torch once: no agent and no interpreter per rank)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -52,8 +51,7 @@ def _torchrun(cwd: Path, ranks: int, ckpt: str, *flags: str, forked: bool = True
     """One launch in its own process group (killed whole on a hang); its output, exit code, time.
     ``forked``: by tests/harness/forkrun.py, torchrun's environment in ranks forked from one process;
     otherwise by torchrun itself."""
-    env = background.environ(OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = background.importable(OMP_NUM_THREADS="1")
     if forked:
         command = [sys.executable, "-m", "tests.harness.forkrun", str(ranks)]
     else:

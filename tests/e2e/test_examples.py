@@ -6,7 +6,6 @@ happen in the background of the session (tests/harness/background.py)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -32,8 +31,7 @@ def _free_port() -> int:
 def _two_nodes(tmp_path: Path, *args: str) -> str:
     """Start both agents, wait for both; return their output. Fails on a non-zero exit or a hang."""
     port = _free_port()
-    env = background.environ(OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = background.importable(OMP_NUM_THREADS="1")
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     agents = []
     for node, log in enumerate(logs):

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["JOBS", "Runner", "command", "environ", "job", "popen", "reader", "result", "run"]
+__all__ = ["JOBS", "Runner", "command", "environ", "importable", "job", "popen", "reader", "result", "run"]
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
@@ -38,11 +38,20 @@ _ENVIRON = dict(os.environ)
 # (monkeypatch.chdir), and a job started meanwhile would otherwise run there (two jobs' ``python -c``
 # once failed with "No module named 'tests'", started while a launcher test had moved).
 _CWD = os.getcwd()
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def environ(**extra: str) -> dict[str, str]:
     """The session's starting environment with ``extra``, for a job's subprocess."""
     return {**_ENVIRON, **extra}
+
+
+def importable(**extra: str) -> dict[str, str]:
+    """``environ(**extra)`` with this checkout first on PYTHONPATH: a job's fresh interpreter, from
+    any folder, imports this checkout's muon_dtensor and tests."""
+    env = environ(**extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
+    return env
 
 
 def job(name: str) -> Callable[[F], F]:

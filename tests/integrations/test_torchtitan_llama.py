@@ -109,13 +109,13 @@ def _snapshot(model: Any, optimizers: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _set_ns_dtype(optimizers: Any, ns_dtype: str) -> None:
+def _set_ns_dtype(optimizers: Any, ns_dtype: torch.dtype) -> None:
     for group in optimizers.optimizers[0].param_groups:
         if group["algorithm"] == "muon":
             group["ns_dtype"] = ns_dtype
 
 
-def _two_gloo_ranks(folder: str, ns_dtype: str) -> list[str]:
+def _two_gloo_ranks(folder: str, ns_dtype: torch.dtype) -> list[str]:
     """Two steps through the doc's build on 2 ranks, against one process stepping the same gradients
     on torchtitan's unsharded model; a save through the checkpointer, loaded into another build.
     Newton-Schulz runs in ``ns_dtype`` in both (set on the group after the build)."""
@@ -150,8 +150,7 @@ def _two_gloo_ranks(folder: str, ns_dtype: str) -> list[str]:
 def test_two_gloo_ranks_bitwise_and_checkpointed(tmp_path: Path) -> None:
     """Newton-Schulz in the library's default bf16, or in float32 where AVX2 emulates bf16 (each rank
     orthogonalizes 94 GFLOP in two steps of its own and of the reference: 60 s there in bf16)."""
-    ns_dtype = str(ns_dtype_here()).removeprefix("torch.")
-    assert run_ranks(_two_gloo_ranks, 2, str(tmp_path), ns_dtype, timeout=300) == [[], []]
+    assert run_ranks(_two_gloo_ranks, 2, str(tmp_path), ns_dtype_here(), timeout=300) == [[], []]
 
 
 def test_wrong_matrix_warning_on_torchtitan_llama() -> None:

@@ -6,7 +6,6 @@ are unbalanced)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,19 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 REFUSE_S = 60  # a refusal is an import and a few checks: seconds, far from the minutes it replaces
 
 
-def _plan(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "muon_dtensor", "plan", *argv],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def _plan(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m muon_dtensor plan *argv`` in a fresh interpreter, as a background job runs it."""
+    command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
+    return background.run(command, cwd=ROOT, env=background.importable(), timeout=300)
 
 
 def _plan_job(name: str, *argv: str) -> object:
     """``_plan(*argv)`` as a background job (tests/harness/background.py) and its fixture ``name``."""
-    env = background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
-    return background.command(name, command, cwd=ROOT, env=env, timeout=300)
+    background.job(name)(lambda folder: _plan(*argv))
+    return background.reader(name)
 
 
 plan_check_help = _plan_job("plan_check_help", "--check", "--help")
@@ -126,7 +122,6 @@ def test_refused_before_any_work(tmp_path: Path, case: str, capsys: pytest.Captu
 def _plan_reports(folder: Path) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """The small model's report on 8 GPUs and one layer of large matrices' on 16, both through the
     command in a fresh interpreter, in the background of the session."""
-    env = background.environ(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     (folder / "small").mkdir()
     (folder / "big").mkdir()
     one = {"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 1, "num_attention_heads": 32}
@@ -135,9 +130,7 @@ def _plan_reports(folder: Path) -> tuple[subprocess.CompletedProcess[str], subpr
         ("small", SMALL | {"head_dim": 16}, "8"),
         ("big", one | {"vocab_size": 1000}, "16"),
     ):
-        argv = ["--check", _config(folder / name, json.dumps(config)), "--gpus", gpus]
-        command = [sys.executable, "-m", "muon_dtensor", "plan", *argv]
-        runs.append(background.run(command, cwd=ROOT, env=env, timeout=300))
+        runs.append(_plan("--check", _config(folder / name, json.dumps(config)), "--gpus", gpus))
     return runs[0], runs[1]
 
 

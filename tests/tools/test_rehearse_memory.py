@@ -11,7 +11,6 @@ subprocess of a large pytest session it reads the session's resident set (1.5 GB
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +55,7 @@ GPUS = (2, 16)
 def _rehearse_memory(folder: Path) -> dict[int, subprocess.CompletedProcess[str]]:
     """Each case in a fresh interpreter, in the background of the session (tests/harness/background.py):
     19 s of one core on an AVX2 host, which the session's single-process tests leave idle."""
-    env = background.environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = background.importable()
     argv = [sys.executable, "-W", "ignore", "-c", PROBE, json.dumps(CONFIG)]
     return {gpus: background.run([*argv, str(gpus)], cwd=ROOT, env=env, timeout=600) for gpus in GPUS}
 

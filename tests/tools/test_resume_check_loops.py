@@ -7,7 +7,6 @@ arguments are refused before any rank starts, with the fix."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +53,7 @@ if __name__ == "__main__":
 def _run(script: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``python script`` from ``cwd``, as a user runs it."""
     cwd.mkdir(exist_ok=True)
-    env = background.environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = background.importable()
     return background.run([sys.executable, str(script), *args], cwd=cwd, env=env, timeout=600)
 
 
@@ -108,8 +106,7 @@ def _loop_refused_in_every_rank(tmp_path: Path) -> subprocess.CompletedProcess[s
 def _loop_with_no_file(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     code = LOOP + "\nfrom muon_dtensor.tools.resume_check import run_resume_check\n"
     code += "run_resume_check(build, train_step, steps=3, save_at=2, world_sizes=(1, 1))\n"
-    env = background.environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = background.importable()
     return background.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=600)
 
 
