@@ -22,7 +22,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.testing import run_ranks as run_fresh
 from tests.harness.ranks import RankError, run_ranks
-from tests.models import Net, build, fsdp, full, model_grads, step_together
+from tests.helpers.models import Net, build, fsdp, full, model_grads, step_together
 
 TOTAL, SPLIT = 5, 2
 RANKS = {"fsdp1": 1, "fsdp2": 2, "fsdp4": 4, "hsdp": 4}

@@ -31,7 +31,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.checks.together import raise_together
 from muon_dtensor.testing import run_ranks as run_fresh
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, model_grads, step_together
+from tests.helpers.models import build, full, model_grads, step_together
 
 TIMEOUT = 90.0  # seconds per call: fresh processes start in a few; a hang is what this catches
 SAMPLE = 2  # faults drawn for the fast tier's full-disk test, besides the first and the last

@@ -21,7 +21,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint.manifest import MANIFEST, read_manifest
 from tests.harness.ranks import run_ranks
-from tests.models import Net, build
+from tests.helpers.models import Net, build
 
 TIMEOUT = 60.0  # seconds per multi-rank call; a rank that waits in a collective fails the test
 

@@ -13,8 +13,8 @@ from torch import nn
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from tests.pipeline import differences, snapshot, stack
-from tests.stage_layouts import cut, train
+from tests.helpers.pipeline import differences, snapshot, stack
+from tests.helpers.stage_layouts import cut, train
 
 FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1"
 
@@ -71,7 +71,7 @@ def test_parts_that_cannot_be_saved_are_refused_before_any_write(tmp_path: Path,
 def test_a_format1_folder_loads_into_one_model_only() -> None:
     """tests/data/format1 (written by 0.2.0, groups by index) loads as before into one model; into
     parts it is refused with the way on, nothing loaded."""
-    from tests.models import Net
+    from tests.helpers.models import Net
 
     parts, opts = _parts(5)
     before = {k: v.clone() for p, o in zip(parts, opts) for k, v in snapshot(p, o).items()}

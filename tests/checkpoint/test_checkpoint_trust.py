@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor.checkpoint.manifest import MANIFEST, file_record, read_manifest
 from muon_dtensor.checkpoint.safe_read import read_metadata
-from tests.models import state_copy, trained_net
+from tests.helpers.models import state_copy, trained_net
 
 
 class _Mkdir:

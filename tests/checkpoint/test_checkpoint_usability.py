@@ -15,7 +15,7 @@ from torch import nn
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, state_copy, trained_net
+from tests.helpers.models import build, full, state_copy, trained_net
 
 TIMEOUT = 120.0  # seconds per multi-rank call
 SINGLE = "assuming the intent is to"  # DCP: "... is to save / load in a single process"

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import export_safetensors, load_checkpoint, load_safetensors, save_checkpoint
 from tests.harness.ranks import run_ranks
-from tests.models import dt
+from tests.helpers.models import dt
 
 
 def _model(seed: int) -> tuple[nn.Module, Muon]:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.pipeline import differences, snapshot, stack
-from tests.stage_layouts import cut, train
+from tests.helpers.pipeline import differences, snapshot, stack
+from tests.helpers.stage_layouts import cut, train
 
 
 def _parts(case: str, seed: int) -> tuple[Any, Any, list[Any], list[Muon]]:

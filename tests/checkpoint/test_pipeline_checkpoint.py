@@ -3,7 +3,7 @@ with model parts): saved by 2 stages x 2 FSDP2 shards on 4 ranks, it resumes on 
 stages, with HSDP or TP inside a stage, merged on 2 ranks without pipeline parallelism (and back),
 and as two model parts per rank (virtual stages, lists of parts and optimizers). Each resumed run
 must hold the saved state and continue bit for bit as the uninterrupted run: every layout steps on
-the same synthetic gradients (``tests.stage_layouts``), and every step is bitwise one process, so
+the same synthetic gradients (``tests.helpers.stage_layouts``), and every step is bitwise one process, so
 the reference is one process. The real schedule (GPipe's backward) resumes merged in
 ``test_a_real_pipeline_resumes_merged``.
 """
@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.pipeline import Pipeline, differences, reference_train, shard, snapshot, stack
-from tests.stage_layouts import build, cut, train
+from tests.helpers.pipeline import Pipeline, differences, reference_train, shard, snapshot, stack
+from tests.helpers.stage_layouts import build, cut, train
 
 TIMEOUT = 120.0  # one 4-rank call of several layouts on 2 busy cores takes about 20 s
 SPLIT, TOTAL = 2, 3  # saved after SPLIT steps, resumed for one more

@@ -1,5 +1,5 @@
 """What the checkpoint helpers promise holds for pipeline stages too (2 stages x 2 FSDP2 shards on 4
-ranks, ``tests.stage_layouts``): sync and async saves with ``keep_last``, weights-only and fresh
+ranks, ``tests.helpers.stage_layouts``): sync and async saves with ``keep_last``, weights-only and fresh
 loads, a damaged or missing shard of one stage named on every rank with nothing loaded, a full disk
 on one stage's rank and a stage rank that dies mid-save raising on every rank with nothing
 published."""
@@ -20,8 +20,8 @@ import muon_dtensor.checkpoint.save as helpers
 from muon_dtensor.testing import RankError
 from muon_dtensor.testing import run_ranks as run_fresh
 from tests.harness.ranks import run_ranks
-from tests.pipeline import differences, snapshot
-from tests.stage_layouts import build, train
+from tests.helpers.pipeline import differences, snapshot
+from tests.helpers.stage_layouts import build, train
 
 TIMEOUT = 120.0
 

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor.checkpoint.keys import Parts, dcp_state, part_states
 from tests.harness.ranks import run_ranks
-from tests.models import state_copy, trained_net
+from tests.helpers.models import state_copy, trained_net
 
 
 class _System:

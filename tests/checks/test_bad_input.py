@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from muon_dtensor import Muon
 from tests.harness.ranks import RankError, run_ranks
-from tests.models import dt, full
+from tests.helpers.models import dt, full
 
 CASES = [
     ("grad_on_some_ranks", "RuntimeError", r"'blocks.1.w' has a gradient on 1 of 2 rank"),

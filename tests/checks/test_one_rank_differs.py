@@ -34,7 +34,7 @@ from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
 from muon_dtensor.sharding.plan import grid
 from tests.harness import background
 from tests.harness.ranks import run_ranks
-from tests.models import build
+from tests.helpers.models import build
 
 BOUND_S = 10.0  # seconds a case may take on any rank: a rank left waiting would take the call's timeout
 DEFAULT_COEFFICIENTS = (3.4445, -4.775, 2.0315)

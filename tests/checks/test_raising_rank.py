@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from muon_dtensor import Muon, testing
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 from tests.harness import ranks
-from tests.models import dt
+from tests.helpers.models import dt
 
 BOUND_S = 20.0  # what the peers may take; they raise about one polling interval after the failure
 LINGER_S = 60.0  # how long the raising rank stays alive waiting for its peers' reports

@@ -29,7 +29,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from muon_dtensor.testing import RankError, run_ranks
 from tests.harness import ranks
-from tests.models import dt
+from tests.helpers.models import dt
 
 SAVED, TOTAL = 2, 5
 BOUND_S = 60.0  # what the test allows; gloo measured about 7 s here (docs/unsupported.md)

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from tests.models import Net
+from tests.helpers.models import Net
 
 out = Path(sys.argv[1])
 torch.manual_seed(0)

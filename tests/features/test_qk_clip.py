@@ -25,7 +25,7 @@ from muon_dtensor.features.qk_clip import local_rows
 from muon_dtensor.features.qk_logits import record_llama_logits
 from tests.conftest import DemoRun
 from tests.harness.ranks import run_ranks
-from tests.models import dt
+from tests.helpers.models import dt
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120.0

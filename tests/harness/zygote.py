@@ -25,7 +25,7 @@ __all__ = ["Forked", "Zygote", "process_state"]
 
 # What the rank functions' test modules import besides the launcher's preload: every worker of every
 # pool imported them again (0.3 s each in a profile of tests/checkpoint's resume tests).
-SHARED = ("pytest", "tests.models", "tests.pipeline")
+SHARED = ("pytest", "tests.helpers.models", "tests.helpers.pipeline")
 
 
 def process_state(pid: int) -> str:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import build, fsdp, full, model_grads, step_together
+from tests.helpers.models import build, fsdp, full, model_grads, step_together
 
 fsdp_utils = pytest.importorskip("accelerate.utils.fsdp_utils")
 pytestmark = pytest.mark.integration

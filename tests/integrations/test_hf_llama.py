@@ -33,7 +33,7 @@ import muon_dtensor.checkpoint as ckpt  # noqa: E402
 from muon_dtensor import Muon, split_params  # noqa: E402
 from muon_dtensor.checkpoint.safetensors import export_safetensors, load_safetensors  # noqa: E402
 from tests.harness.ranks import run_ranks  # noqa: E402
-from tests.models import full  # noqa: E402
+from tests.helpers.models import full  # noqa: E402
 
 TOTAL, SPLIT = 6, 3
 MICRO, MICRO_SIZE, SEQ = 2, 4, 16  # the batch: MICRO micro-batches of MICRO_SIZE sequences

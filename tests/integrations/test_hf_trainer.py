@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor.integrations.hf import FsdpOnCpu, MuonForTrainer
 from tests.harness import background
-from tests.models import full
+from tests.helpers.models import full
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

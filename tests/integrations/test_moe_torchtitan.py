@@ -61,8 +61,8 @@ from torch import nn
 
 from muon_dtensor import Muon
 from tests.harness import background
-from tests.models import dt, full_state
-from tests.stage_layouts import gradient, train
+from tests.helpers.models import dt, full_state
+from tests.helpers.stage_layouts import gradient, train
 
 needs_titan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed"

@@ -18,8 +18,8 @@ from torch.distributed.fsdp import fully_shard
 
 from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
 from tests.harness.ranks import run_ranks
-from tests.models import distribute_like, full
-from tests.pipeline import part, reference_backward, stack
+from tests.helpers.models import distribute_like, full
+from tests.helpers.pipeline import part, reference_backward, stack
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon
 from tests.harness.ranks import run_ranks
-from tests.models import Net, build, distribute_like, full, model_grads
+from tests.helpers.models import Net, build, distribute_like, full, model_grads
 
 needs_titan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed"
 )
-MATRICES = r"^layers\.\d+\.weight$"  # tests.models.Net's hidden matrices
+MATRICES = r"^layers\.\d+\.weight$"  # tests.helpers.models.Net's hidden matrices
 SAVE_AT, STEPS, GRAD_SEED = 3, 5, 500
 Snapshot = dict[str, torch.Tensor]  # FQN (and ":state key") -> full tensor
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
+from tests.helpers.models import build
 from tests.integrations.test_torchtitan import (
     SAVE_AT,
     checkpointer,
@@ -26,7 +27,6 @@ from tests.integrations.test_torchtitan import (
     titan_stack,
     train,
 )
-from tests.models import build
 
 pytestmark = [needs_titan, pytest.mark.integration]
 TIMEOUT = 180.0

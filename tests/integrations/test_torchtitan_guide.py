@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.harness.ranks import run_ranks
+from tests.helpers.models import build
 from tests.integrations.test_torchtitan import (
     SAVE_AT,
     STEPS,
@@ -28,7 +29,6 @@ from tests.integrations.test_torchtitan import (
     titan_stack,
     train,
 )
-from tests.models import build
 
 pytestmark = [needs_titan, pytest.mark.integration]
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md"

@@ -23,8 +23,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from muon_dtensor import Muon, WrongMatrixWarning
 from tests.harness.ranks import run_ranks
-from tests.host import ns_dtype_here
-from tests.models import distribute_like, full
+from tests.helpers.host import ns_dtype_here
+from tests.helpers.models import distribute_like, full
 
 pytestmark = [
     pytest.mark.integration,

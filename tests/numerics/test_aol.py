@@ -36,9 +36,9 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
-from tests.bits import assert_batch_mates_do_not_matter
 from tests.harness.ranks import run_ranks
-from tests.models import full, stepped
+from tests.helpers.bits import assert_batch_mates_do_not_matter
+from tests.helpers.models import full, stepped
 from tests.numerics.test_ns_presets import seeded_inputs
 
 Triple = tuple[float, float, float]
@@ -186,7 +186,7 @@ def test_result_of_a_matrix_does_not_depend_on_its_batch(
     dtype: torch.dtype, shape: tuple, one_thread: None
 ) -> None:
     """AOL's row sums are per matrix: a matrix's bits ignore its batch-mates (one BLAS thread),
-    batched against batched (tests/bits.py)."""
+    batched against batched (tests/helpers/bits.py)."""
     config = _aol(dtype)
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
     assert_batch_mates_do_not_matter(x, lambda b: newton_schulz(b, config))

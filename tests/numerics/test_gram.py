@@ -37,9 +37,9 @@ from muon_dtensor.numerics.newton_schulz import (
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from muon_dtensor.planning.costmodel import LLAMA3_8B, predict
-from tests.bits import assert_batch_mates_do_not_matter
 from tests.harness.ranks import run_ranks
-from tests.models import full, stepped
+from tests.helpers.bits import assert_batch_mates_do_not_matter
+from tests.helpers.models import full, stepped
 from tests.numerics.test_newton_schulz import FROBENIUS_PRESETS
 from tests.numerics.test_ns_presets import BF16_DRIFTS
 
@@ -152,7 +152,7 @@ def test_restart_rule() -> None:
 @pytest.mark.parametrize("shape", [(24, 80), (80, 24)])
 def test_gram_result_does_not_depend_on_its_batch(dtype: torch.dtype, shape: tuple) -> None:
     """As for the standard iteration: a matrix's bits ignore its batch-mates, batched against
-    batched (tests/bits.py)."""
+    batched (tests/helpers/bits.py)."""
     config = _gram("you", dtype)
     x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(2))
     assert_batch_mates_do_not_matter(x, lambda b: newton_schulz(b, config))

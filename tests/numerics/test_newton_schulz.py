@@ -20,8 +20,8 @@ from muon_dtensor.numerics.newton_schulz import (
     stacked,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
-from tests.bits import assert_batch_mates_do_not_matter
-from tests.host import largest_within, shape_id
+from tests.helpers.bits import assert_batch_mates_do_not_matter
+from tests.helpers.host import largest_within, shape_id
 from tests.numerics.test_ns_presets import BF16_DRIFTS, BF16_TRACKING
 
 
@@ -78,7 +78,7 @@ def test_singular_values_follow_the_polynomial_and_stay_in_band(
 
 
 # A tall matrix of a realistic size where bf16 products are native; 512 x 128 where AVX2 emulates
-# them (tests/host.py: 2,048 x 512 took 17 s there).
+# them (tests/helpers/host.py: 2,048 x 512 took 17 s there).
 TALL = largest_within([(2048, 512), (512, 128)], lambda s: 2 * ns_flops(s, 5), seconds=2)
 
 
@@ -108,7 +108,7 @@ def test_result_of_a_matrix_does_not_depend_on_its_batch(
     """Each matrix's result ignores its batch-mates' values (the iteration never mixes matrices),
     compared batched against batched: the same batch size and position, other mates (one BLAS
     thread: the ``one_thread`` fixture says why). A lone 2-D call against its row of a batch, or a
-    batch against a part of it, compared other kernels or shapes (tests/bits.py); a 2-D call is
+    batch against a part of it, compared other kernels or shapes (tests/helpers/bits.py); a 2-D call is
     checked against the float64 reference in ``test_ns_presets``."""
     config = resolve_ns_config("keller", 5, 1e-7, dtype)
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))

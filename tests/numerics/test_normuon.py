@@ -23,7 +23,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.numerics.newton_schulz import newton_schulz
 from muon_dtensor.numerics.ns_config import resolve_ns_config
 from tests.harness.ranks import run_ranks
-from tests.models import MLP, build, full, model_grads, shard_mlp, step_together
+from tests.helpers.models import MLP, build, full, model_grads, shard_mlp, step_together
 from tests.sharding.test_layouts import cut_like  # distribute_tensor refuses uneven _StridedShard pieces
 
 LR, WD, MU, BETA2 = 0.02, 0.1, 0.95, 0.95

@@ -33,7 +33,7 @@ from muon_dtensor.numerics.newton_schulz import (
     scalar_map,
 )
 from muon_dtensor.numerics.ns_config import resolve_ns_config
-from tests.bits import assert_batch_mates_do_not_matter
+from tests.helpers.bits import assert_batch_mates_do_not_matter
 
 Triple = tuple[float, float, float]
 
@@ -185,7 +185,7 @@ def test_cubic_steps_batched_stay_in_band_in_bfloat16(algorithm: str) -> None:
     """cubic5's c = 0 skips the A A product: torch 2.13's CPU ``baddbmm`` in bfloat16 with ``alpha=0``
     returns its input unscaled, which once made the batched iteration diverge (singular values 1e25).
     The batched and the lone iteration both stay in cubic5's band; bits are compared batched against
-    batched only (tests/bits.py): a lone 2-D call takes other kernels than a batch's."""
+    batched only (tests/helpers/bits.py): a lone 2-D call takes other kernels than a batch's."""
     gen = torch.Generator().manual_seed(3)
     batch = torch.randn(3, 32, 96, generator=gen)
     config = resolve_ns_config("cubic5", 5, 1e-7, torch.bfloat16, algorithm)

@@ -33,15 +33,15 @@ from muon_dtensor.numerics.split_ns import (
     split_newton_schulz,
     split_orthogonalize,
 )
-from tests.bits import assert_batch_mates_do_not_matter
-from tests.host import largest_within, shape_id
+from tests.helpers.bits import assert_batch_mates_do_not_matter
+from tests.helpers.host import largest_within, shape_id
 
 # Llama-3-8B's q/o (4096 x 4096), k/v (1024 x 4096), up (14336 x 4096) and down (4096 x 14336)
 # aspect ratios at 1/16 of the size (1/4 for the largest, to keep one realistic small side).
 SHAPES = [(256, 256), (64, 256), (896, 256), (256, 896)]
 KS = (2, 4, 8)
 # Llama's up/down aspect ratio at three sizes: the largest whose reference and three splits fit
-# 10 s of bf16 products here (tests/host.py): 1,024 x 3,584 where bf16 is native (about 2 s),
+# 10 s of bf16 products here (tests/helpers/host.py): 1,024 x 3,584 where bf16 is native (about 2 s),
 # 256 x 896 where AVX2 emulates it (1,024 x 3,584 took 202 s there).
 LARGE = largest_within(
     [(1024, 3584), (512, 1792), (256, 896)], lambda s: (len(KS) + 1) * ns_flops(s, 5), seconds=10
@@ -115,7 +115,7 @@ def test_one_block_is_the_whole_matrix_in_float64() -> None:
 def test_batched_same_shape_matrices(dtype: torch.dtype, one_thread: None) -> None:
     """A batch [B, m, n] split into column blocks: each matrix as the whole matrix (within the
     dtype's rounding), and its bits independent of its batch-mates, batched against batched
-    (tests/bits.py; one BLAS thread: the ``one_thread`` fixture says why); the step never batches
+    (tests/helpers/bits.py; one BLAS thread: the ``one_thread`` fixture says why); the step never batches
     split blocks."""
     torch.manual_seed(4)
     xs = torch.randn(3, 96, 320, dtype=torch.float64)

@@ -13,7 +13,7 @@ import torch
 from muon_dtensor import Muon, split_params
 from muon_dtensor.numerics.elementwise import adjust_lr
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, random_grads, step_together
+from tests.helpers.models import build, full, random_grads, step_together
 
 SHAPES = [(64, 16), (16, 64), (32, 32), (48, 20)]
 

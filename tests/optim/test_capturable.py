@@ -25,7 +25,7 @@ from torch import nn
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
 from tests.harness.ranks import run_ranks
-from tests.models import build, distribute_like, full, model_grads
+from tests.helpers.models import build, distribute_like, full, model_grads
 from tests.optim.test_capture_safety import Allocations
 from tests.optim.test_host_sync import SyncWatch
 
@@ -48,7 +48,7 @@ def lr_at(step: int) -> float:
 
 
 def run(world: int, capturable: bool, watch_step: int | None = None) -> dict[str, Any]:
-    """``STEPS`` steps of tests.models' Net (one process, or FSDP2 over ``world`` ranks) with the
+    """``STEPS`` steps of tests.helpers.models' Net (one process, or FSDP2 over ``world`` ranks) with the
     lr changed before each: a float64 tensor filled in place (``capturable``), else floats. Returns
     the full weights and state, and for ``watch_step`` its ops and host reads."""
     model = build((world,) if world > 1 else None)

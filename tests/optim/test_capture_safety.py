@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
 from tests.harness.ranks import run_ranks
-from tests.models import build, distribute_like, model_grads
+from tests.helpers.models import build, distribute_like, model_grads
 from tests.optim.test_host_sync import SyncWatch
 
 Op = tuple[str, tuple[tuple[tuple[int, ...], torch.dtype], ...]]

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import build, full
+from tests.helpers.models import build, full
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -12,7 +12,7 @@ from torch import nn
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import Net
+from tests.helpers.models import Net
 
 TIMEOUT = 120.0
 
@@ -63,7 +63,7 @@ def test_describe_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def _logged_on_ranks() -> int:
-    from tests.models import build
+    from tests.helpers.models import build
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -123,7 +123,7 @@ def _reports_on_rank_zero_only() -> dict[str, object]:
     (it hung both ranks when describe built the plan collectively); then every rank steps."""
     import torch.distributed as dist
 
-    from tests.models import build
+    from tests.helpers.models import build
 
     model = build((2,))
     opt = Muon(split_params(model), lr=0.02)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from muon_dtensor import Muon
 from muon_dtensor.numerics import newton_schulz
 from tests.harness.ranks import run_ranks
-from tests.models import dt, full, step_together
+from tests.helpers.models import dt, full, step_together
 
 # Uneven rows and columns, fewer rows than ranks (3 and 1 rows at 4 ranks), tall and wide, and
 # several same-shape matrices so owners batch them.

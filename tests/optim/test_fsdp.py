@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, model_grads, step_together
+from tests.helpers.models import build, full, model_grads, step_together
 
 
 @pytest.mark.parametrize(("world_size", "mesh_shape"), [(1, (1,)), (2, (2,)), (4, (4,)), (4, (2, 2))])

@@ -13,7 +13,7 @@ from torch import nn
 
 from muon_dtensor import Muon
 from muon_dtensor.optim.state import MOMENTUM, MOMENTUM_ABSMAX
-from tests.stage_layouts import gradient
+from tests.helpers.stage_layouts import gradient
 
 SHAPE = (64, 300)  # two blocks of int8 momentum per row, the second partial
 

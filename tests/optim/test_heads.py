@@ -15,7 +15,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 
 from muon_dtensor import Muon
 from tests.harness.ranks import run_ranks
-from tests.models import full
+from tests.helpers.models import full
 
 D = 4  # head_dim
 HIDDEN = 12

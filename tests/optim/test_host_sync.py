@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from muon_dtensor import Muon, split_params
 from muon_dtensor.sharding.plan.param_layout import local_of
 from tests.harness.ranks import RankError, run_ranks
-from tests.models import build, dt, model_grads, step_together
+from tests.helpers.models import build, dt, model_grads, step_together
 
 T = torch.Tensor
 HOST_READS = {T.item, T.tolist, T.numpy, T.__bool__, T.__float__, T.__int__, T.__index__}

@@ -26,9 +26,9 @@ from muon_dtensor import Muon
 from muon_dtensor.numerics.blockwise import BLOCK, dequantize, quantize
 from muon_dtensor.optim.state import MOMENTUM, MOMENTUM_ABSMAX
 from tests.harness.ranks import run_ranks
-from tests.models import distribute_like
-from tests.named_params import AsModule, saved_and_final, snapshot, train
-from tests.stage_layouts import gradient
+from tests.helpers.models import distribute_like
+from tests.helpers.named_params import AsModule, saved_and_final, snapshot, train
+from tests.helpers.stage_layouts import gradient
 
 SHAPES = {"a": (10, 512), "b": (6, 512), "c": (7, 300), "norm": (512,)}
 SPLIT, TOTAL = 2, 4

@@ -1,5 +1,5 @@
 """``Muon.memory()``: state bytes per kind, exactly; the predicted peak of a step's transients against
-tensor-byte accounting of a real step (tests/allocations.py), on one process and on 2 gloo ranks."""
+tensor-byte accounting of a real step (tests/helpers/allocations.py), on one process and on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from muon_dtensor.sharding.plan.build import build_plan
 from muon_dtensor.sharding.plan.memory import round_sizes
 from muon_dtensor.sharding.plan.param_layout import local_of
 from muon_dtensor.sharding.plan.routes import build_routes
-from tests.allocations import LiveBytes
 from tests.harness.ranks import run_ranks
+from tests.helpers.allocations import LiveBytes
 
 TIMEOUT = 180.0
 TOLERANCE = 0.10  # the issue's bound on predicted against measured peak

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, qk_clip_all_
 from tests.harness.ranks import run_ranks
-from tests.models import distribute_like, full
+from tests.helpers.models import distribute_like, full
 
 SHAPES = [(12, 8), (8, 20), (12, 8)]
 LR, WD = 0.02, 0.1

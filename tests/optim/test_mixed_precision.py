@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
 from tests.harness.ranks import run_ranks
-from tests.models import Net, full_state
+from tests.helpers.models import Net, full_state
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 SAVED, TOTAL = 2, 5

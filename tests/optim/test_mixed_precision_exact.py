@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import Net, fsdp, full, full_state, random_grads, step_together
+from tests.helpers.models import Net, fsdp, full, full_state, random_grads, step_together
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 TOTAL, SAVED = 4, 2

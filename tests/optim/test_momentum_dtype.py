@@ -317,7 +317,7 @@ def test_the_conversion_warning_points_at_the_users_line() -> None:
 def _warned_on_each_rank() -> int:
     import warnings
 
-    from tests.models import build
+    from tests.helpers.models import build
 
     model = build((2,))
     opt = Muon(split_params(model), lr=0.02)

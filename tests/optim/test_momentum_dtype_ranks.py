@@ -20,7 +20,7 @@ from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.checkpoint.safe_read import read_metadata
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, model_grads, step_together
+from tests.helpers.models import build, full, model_grads, step_together
 from tests.optim.test_exact import SHAPES, run_steps
 
 TIMEOUT = 240.0

@@ -19,7 +19,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.base.compat import StridedShard as _StridedShard
 from tests.harness.ranks import run_ranks
-from tests.models import build, full, model_grads, step_together
+from tests.helpers.models import build, full, model_grads, step_together
 
 LR = 0.02
 KEY = "second_momentum_buffer"

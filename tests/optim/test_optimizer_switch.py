@@ -33,7 +33,7 @@ import muon_dtensor.checkpoint.safetensors as st
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import CheckpointError, load_checkpoint, load_safetensors, save_checkpoint
 from tests.harness.ranks import run_ranks
-from tests.models import MLP, Net, fsdp, full, model_grads, shard_mlp, step_together
+from tests.helpers.models import MLP, Net, fsdp, full, model_grads, shard_mlp, step_together
 
 TIMEOUT = 120.0  # seconds per multi-rank call
 WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")

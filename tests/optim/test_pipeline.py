@@ -20,8 +20,8 @@ from torch.distributed.fsdp import fully_shard
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import distribute_like, full, random_grads
-from tests.pipeline import Pipeline, differences, muon, part, reference_backward, snapshot, stack
+from tests.helpers.models import distribute_like, full, random_grads
+from tests.helpers.pipeline import Pipeline, differences, muon, part, reference_backward, snapshot, stack
 
 TIMEOUT = 90.0  # one 4-rank call on 2 busy cores takes about 10 s
 MATRICES_PER_STAGE = 2  # layers.0/1.weight on stage 0, layers.2/3.weight on stage 1

@@ -27,7 +27,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from muon_dtensor.demo.round_robin import RoundRobinMuon
 from tests.harness.ranks import run_ranks
-from tests.models import full, random_grads, step_together
+from tests.helpers.models import full, random_grads, step_together
 
 SHAPES = [(32, 16)] * 8
 LR = 0.02

@@ -20,7 +20,7 @@ from torch import nn
 from muon_dtensor import Muon
 from muon_dtensor.checks import settings_cache
 from muon_dtensor.optim.state import MOMENTUM
-from tests.stage_layouts import gradient
+from tests.helpers.stage_layouts import gradient
 
 SHAPES = [(24, 40), (40, 24), (16, 16)]
 KELLER = (3.4445, -4.7750, 2.0315)

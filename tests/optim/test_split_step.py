@@ -20,7 +20,7 @@ from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 from muon_dtensor.numerics.split_ns import split_orthogonalize
 from tests.harness.ranks import run_ranks
-from tests.models import full, stepped
+from tests.helpers.models import full, stepped
 
 # Tall, wide, square, fewer rows than ranks (a Gram matrix of 1 and 3 rows), uneven, same shapes.
 SHAPES = [(37, 24), (24, 37), (3, 16), (1, 8), (64, 64), (64, 64), (16, 96), (2, 3)]

@@ -10,7 +10,7 @@ from torch import nn
 
 from muon_dtensor import Muon, split_params
 from tests.harness.ranks import run_ranks
-from tests.models import build
+from tests.helpers.models import build
 
 TIMEOUT = 120.0  # seconds for the 2-rank call
 FIELDS = ("sent", "received", "collectives", "orthogonalized", "peak_bytes")

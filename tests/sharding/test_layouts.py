@@ -17,7 +17,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.optim.group_sharding import layout_of
 from tests.harness.ranks import run_ranks
-from tests.models import MLP, dt, model_grads, shard_mlp, step_together
+from tests.helpers.models import MLP, dt, model_grads, shard_mlp, step_together
 
 LAYOUTS = [
     ((4,), ("tp",)),

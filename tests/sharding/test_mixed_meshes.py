@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.optim.group_sharding import layout_of
 from tests.harness.ranks import run_ranks
-from tests.models import MLP, dt
+from tests.helpers.models import MLP, dt
 
 MESHES = [((2, 2), ("dp", "tp")), ((1, 2, 2), ("replicate", "shard", "tp"))]
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
 from tests.harness.ranks import run_ranks
-from tests.named_params import AsModule, saved_and_final, snapshot, train
+from tests.helpers.named_params import AsModule, saved_and_final, snapshot, train
 
 E, DIM, HIDDEN = 4, 8, 12
 SPLIT, TOTAL = 2, 3

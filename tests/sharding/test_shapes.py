@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from muon_dtensor import Muon
 from tests.harness.ranks import run_ranks
-from tests.models import full, step_together
+from tests.helpers.models import full, step_together
 
 SHAPES = [(24, 40)] * 5 + [(40, 24), (7, 9)]
 

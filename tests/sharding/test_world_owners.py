@@ -33,7 +33,7 @@ from muon_dtensor.sharding.plan.blocks import AxisShard, Block, block_numel, ful
 from muon_dtensor.sharding.plan.build import DEFAULT_ROUND_BYTES, MatrixEntry, Plan, build_plan
 from muon_dtensor.sharding.plan.routes import build_routes
 from tests.harness.ranks import run_ranks
-from tests.models import distribute_like, full, stepped
+from tests.helpers.models import distribute_like, full, stepped
 
 TIMEOUT = 240.0  # seconds for one 4-rank call on 2 busy cores
 # Uneven rows and columns, fewer rows than shards, several matrices of one shape (batched owners).

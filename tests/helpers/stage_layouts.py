@@ -1,4 +1,4 @@
-"""Stage layouts of ``tests.pipeline.Stack`` on 4 (or 2) ranks, for checkpoints that move between
+"""Stage layouts of ``tests.helpers.pipeline.Stack`` on 4 (or 2) ranks, for checkpoints that move between
 them. Every layout steps on the same synthetic full gradients (seeded by FQN and step, laid out like
 each parameter), so each one equals one process bit for bit, TP included (a real TP backward sums
 partial products in another order; the library's claim is the step given the same gradients).
@@ -23,8 +23,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from muon_dtensor import Muon, split_params
-from tests.models import distribute_like
-from tests.pipeline import Stack, shard, stack
+from tests.helpers.models import distribute_like
+from tests.helpers.pipeline import Stack, shard, stack
 
 CUTS = {2: (("0", "1"), ("2", "3")), 4: (("0",), ("1",), ("2",), ("3",))}
 Built = tuple[nn.Module, Muon]

@@ -1,5 +1,5 @@
 """A model as a dict of named parameters, for tests that lay each parameter out by hand (MoE
-stacks, int8 momentum): steps on the synthetic gradients of ``tests.stage_layouts.gradient``, the
+stacks, int8 momentum): steps on the synthetic gradients of ``tests.helpers.stage_layouts.gradient``, the
 full weights and state, and the parameters as a module for the checkpoint helpers."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from muon_dtensor import Muon
-from tests.models import distribute_like, full
-from tests.stage_layouts import gradient
+from tests.helpers.models import distribute_like, full
+from tests.helpers.stage_layouts import gradient
 
 
 def train(params: dict[str, nn.Parameter], opt: Muon, steps: range) -> None:

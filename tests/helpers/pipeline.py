@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from muon_dtensor import Muon, split_params
-from tests.models import full
+from tests.helpers.models import full
 
 VOCAB, WIDTHS, SEQ, BATCH, MICRO = 7, (8, 13, 1, 11, 8), 5, 4, 2
 STAGE_LAYERS = (("0", "1"), ("2", "3"))  # layers.2 has one row: an empty shard on a dp rank

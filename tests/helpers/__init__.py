@@ -1,0 +1,1 @@
+"""Helpers that tests in several folders share (tests/README.md, "Files")."""
