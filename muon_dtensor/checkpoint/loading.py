@@ -9,6 +9,7 @@ read through the safe reader. Any failure raises on every rank.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..checks.together import attempt, raise_together
@@ -249,30 +251,31 @@ def _check_and_read(
     with_optimizer = parts.has_optimizer and not fresh
     states: list[PartState] = []
 
-    def template() -> dict[str, Any]:
+    def template() -> tuple[dict[str, Any], Metadata]:
         if key_format.format == 1:
-            return _by_index_state(parts, with_optimizer)
-        states.extend(part_states(parts, with_optimizer))
-        state = dcp_state(states)
+            state = _by_index_state(parts, with_optimizer)
+        else:
+            states.extend(part_states(parts, with_optimizer))
+            state = dcp_state(states)
+        # parsed once for the checks and DCP's reader: 5 to 7 CPU s a parse at 400 entries x 256 chunks
+        # (benchmarks/bench_load_metadata.py), three parses a load before
+        metadata = read_metadata(folder, manifest["files"])
         if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)
-            match_lr_kinds(state["optimizer"], read_metadata(folder, manifest["files"]), key_format.optim)
-        return state
+            match_lr_kinds(state["optimizer"], metadata, key_format.optim)
+        return state, metadata
 
-    state, error = attempt(template)
+    read, error = attempt(template)
     raise_together(error, group, "load_checkpoint")
-    assert state is not None
+    assert read is not None
+    state, metadata = read
     flat = _flatten(state)[0]
     everywhere = collectives.union(set(tensor_keys(flat)), group)
     groups = [g for s in states for g in s.groups]
-
-    def check() -> None:
-        metadata = read_metadata(folder, manifest["files"])
-        check_compatible(folder, metadata, flat, key_format, everywhere, groups)
-
+    check = functools.partial(check_compatible, folder, metadata, flat, key_format, everywhere, groups)
     raise_together(attempt(check)[1], group, "load_checkpoint")
     rank = collectives.rank_and_size(group)[0]
     state |= templates(manifest.get("extra", {}), rank, int(manifest.get("world_size", 1)))
-    _read(folder, manifest["files"], state, group)
+    _read(SafeReader(folder, manifest["files"], metadata), state, group)
     return state, states
 
 
@@ -290,18 +293,18 @@ def _by_index_state(parts: Parts, with_optimizer: bool) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _read(folder: Path, files: Any, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def _read(reader: SafeReader, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """``dcp.load`` through the safe reader and planner. Partial: hyperparameter entries a
     torch.optim.Muon / AdamW checkpoint lacks ("algorithm") keep their current values; every tensor
     and every group was checked before. DCP's own failure (a BaseException) becomes a
     CheckpointError, on every rank alike, as DCP raises it."""
-    reader, planner = SafeReader(folder, files), SafeLoadPlanner(allow_partial_load=True)
+    planner = SafeLoadPlanner(allow_partial_load=True)
     solo = collectives.no_process_group()
     try:
         with single_process(solo):
             dcp.load(state, storage_reader=reader, process_group=group, planner=planner, no_dist=solo)
     except CheckpointException as e:
-        raise CheckpointError(f"{folder}: DCP could not read the checkpoint: {e}") from e
+        raise CheckpointError(f"{reader.folder}: DCP could not read the checkpoint: {e}") from e
 
 
 def _apply(

@@ -151,17 +151,18 @@ def _is_entry(entry: Any) -> bool:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with ``read_metadata`` above. It never falls back to rank-local metadata
-    (``__{rank}.metadata``), which save_checkpoint does not write."""
+    """DCP's file reader with ``read_metadata`` above, or the ``metadata`` that call returned for this
+    load. It never falls back to rank-local metadata (``__{rank}.metadata``), which save_checkpoint
+    does not write."""
 
-    def __init__(self, folder: Path, files: Collection[str]) -> None:
+    def __init__(self, folder: Path, files: Collection[str], metadata: Metadata | None = None) -> None:
         super().__init__(str(folder))
-        self.folder, self.files = folder, files
+        self.folder, self.files, self.metadata = folder, files, metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.folder}: rank-local metadata is not read")
-        metadata = read_metadata(self.folder, self.files)
+        metadata = self.metadata if self.metadata is not None else read_metadata(self.folder, self.files)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

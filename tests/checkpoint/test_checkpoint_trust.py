@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 import muon_dtensor.checkpoint as ckpt
+from muon_dtensor.checkpoint import safe_read
 from muon_dtensor.checkpoint.manifest import MANIFEST, file_record, read_manifest
 from muon_dtensor.checkpoint.safe_read import read_metadata
 from tests.helpers.models import state_copy, trained_net
@@ -130,6 +131,23 @@ def test_a_pickled_param_group_entry_never_runs(tmp_path: Path) -> None:
     shutil.rmtree(marker, ignore_errors=True)  # a deepcopy inside the save may have run it here
     message = _load_error(tmp_path / "root", marker)
     assert "optimizer.param_groups.layers.0.weight.lr" in message and "__0_0.distcp" in message
+
+
+def test_a_load_parses_the_metadata_once(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks and DCP's reader share one parse, so DCP reads by the metadata that was checked,
+    not by the file read again after the checks. It was three parses a load (the lr kinds, the
+    checks, the reader); one takes 5 to 7 CPU s at 400 entries x 256 chunks (docs/benchmarks.md)."""
+    parses = []
+    parse = safe_read._MetadataUnpickler.load
+
+    def counted(self: Any) -> Any:
+        parses.append(self)
+        return parse(self)
+
+    monkeypatch.setattr(safe_read._MetadataUnpickler, "load", counted)
+    model, opt = trained_net(1)
+    ckpt.load_checkpoint(saved, model, opt)
+    assert len(parses) == 1, f"{len(parses)} parses of .metadata in one load"
 
 
 def test_metadata_cannot_set_attributes_on_a_class(saved: Path) -> None:
