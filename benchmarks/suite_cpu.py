@@ -1,5 +1,5 @@
 """Where the test suite's CPU goes: run pytest (or read a run's samples) and account the CPU seconds
-of every process under it, by kind (the session, the rank pools, ``run_ranks``'s launchers and
+of every process under it, by kind (the session, the rank pools with the zygote that forks them, ``run_ranks``'s launchers and
 their ranks, torchrun, forkrun, the demo, other subprocesses), sampled from /proc each second.
 
     python benchmarks/suite_cpu.py --out benchmarks/results/suite_cpu.json -- -q -m "not slow"
@@ -80,6 +80,7 @@ def kind(cmd: str) -> str:
     rules = [
         ("-m pytest", "pytest (the session)"),
         ("harness.ranks", "rank pools"),
+        ("harness.zygote", "rank pools"),  # the zygote, and the launchers and workers it forks
         ("tests.ranks", "rank pools"),
         ("launcher", "run_ranks launchers and ranks"),
         ("muon_dtensor.testing.rank", "run_ranks spawned ranks"),

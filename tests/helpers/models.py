@@ -111,14 +111,17 @@ def full_state(model: nn.Module, opt: Optimizer) -> dict[str, torch.Tensor]:
 
 
 def distribute_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """A full gradient ``g`` laid out like the parameter ``p``; through a replicated copy where ``p``
-    has a ``_StridedShard`` (FSDP over an EP or TP shard of dim 0), which ``distribute_tensor`` refuses."""
+    """A full gradient ``g``, the same on every rank, laid out like the parameter ``p``: each rank
+    keeps its own piece (``src_data_rank=None``, no scatter from rank 0); through a replicated copy
+    where ``p`` has a ``_StridedShard`` (FSDP over an EP or TP shard of dim 0), which
+    ``distribute_tensor`` refuses."""
     if not isinstance(p, DTensor):
         return g
     mesh = p.device_mesh
     if not any(isinstance(q, _StridedShard) for q in p.placements):
-        return distribute_tensor(g, mesh, p.placements)
-    return distribute_tensor(g, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, p.placements)
+        return distribute_tensor(g, mesh, p.placements, src_data_rank=None)
+    whole = distribute_tensor(g, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+    return whole.redistribute(mesh, p.placements)
 
 
 def random_grads(shapes: Sequence[torch.Size | tuple[int, ...]], seed: int) -> list[torch.Tensor]:
