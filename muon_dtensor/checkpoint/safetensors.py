@@ -51,7 +51,8 @@ def _read_tensors(folder: Path, prefix: str | None) -> dict[str, torch.Tensor]:
     against its manifest."""
     manifest = verify_folder(folder)
     files = sorted(manifest["files"])
-    metadata = read_metadata(folder, files).state_dict_metadata
+    parsed = read_metadata(folder, files)  # once: DCP's reader below reads by this checked parse
+    metadata = parsed.state_dict_metadata
     key_format = format_of_manifest(manifest)
     if prefix is None:
         prefix, chosen = key_format.model, [k for k in metadata if key_format.part(k) == "model"]
@@ -64,7 +65,7 @@ def _read_tensors(folder: Path, prefix: str | None) -> dict[str, torch.Tensor]:
     }
     if not state:
         raise CheckpointError(f"{folder} holds no model tensors" + (f" under '{prefix}'" if prefix else ""))
-    reader, planner = SafeReader(folder, files), SafeLoadPlanner()
+    reader, planner = SafeReader(folder, files, parsed), SafeLoadPlanner()
     try:
         with single_process():  # "assuming the intent is to load in a single process": it is
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)

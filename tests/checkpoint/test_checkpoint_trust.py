@@ -133,10 +133,14 @@ def test_a_pickled_param_group_entry_never_runs(tmp_path: Path) -> None:
     assert "optimizer.param_groups.layers.0.weight.lr" in message and "__0_0.distcp" in message
 
 
-def test_a_load_parses_the_metadata_once(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("reader", ["load_checkpoint", "export_safetensors"])
+def test_a_load_parses_the_metadata_once(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
     """The checks and DCP's reader share one parse, so DCP reads by the metadata that was checked,
     not by the file read again after the checks. It was three parses a load (the lr kinds, the
-    checks, the reader); one takes 5 to 7 CPU s at 400 entries x 256 chunks (docs/benchmarks.md)."""
+    checks, the reader) and two an export; one takes 5 to 7 CPU s at 400 entries x 256 chunks
+    (docs/benchmarks.md)."""
     parses = []
     parse = safe_read._MetadataUnpickler.load
 
@@ -145,9 +149,12 @@ def test_a_load_parses_the_metadata_once(saved: Path, monkeypatch: pytest.Monkey
         return parse(self)
 
     monkeypatch.setattr(safe_read._MetadataUnpickler, "load", counted)
-    model, opt = trained_net(1)
-    ckpt.load_checkpoint(saved, model, opt)
-    assert len(parses) == 1, f"{len(parses)} parses of .metadata in one load"
+    if reader == "load_checkpoint":
+        model, opt = trained_net(1)
+        ckpt.load_checkpoint(saved, model, opt)
+    else:
+        ckpt.export_safetensors(saved / "step_00000001", tmp_path / "out")
+    assert len(parses) == 1, f"{len(parses)} parses of .metadata in one {reader}"
 
 
 def test_metadata_cannot_set_attributes_on_a_class(saved: Path) -> None:
