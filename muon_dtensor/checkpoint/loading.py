@@ -146,8 +146,8 @@ def load_checkpoint(
     rank = collectives.rank_and_size(process_group)[0]
     manifest = _titan_manifest(folder, rank) if titan else _verify(folder, process_group)
     key_format = TORCHTITAN if titan else format_of_manifest(manifest)
-    beside = _checked_titan_entries(folder, manifest["files"], process_group) if titan else {}
-    state, filled = _check_and_read(folder, manifest, key_format, parts, fresh, process_group)
+    beside, parsed = _checked_titan_entries(folder, manifest["files"], process_group) if titan else ({}, None)
+    state, filled = _check_and_read(folder, manifest, key_format, parts, fresh, process_group, parsed)
     _apply(state, key_format, filled, parts, fresh)
     if fresh and rank == 0:
         log.warning(_FRESH, folder)
@@ -197,20 +197,27 @@ def _agreed_parts(
     )
 
 
-def _checked_titan_entries(folder: Path, files: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
+def _checked_titan_entries(
+    folder: Path, files: Any, group: dist.ProcessGroup | None
+) -> tuple[dict[str, Any], Metadata]:
     """``titan_entries``, read by every rank in the checked phase: a failure on any rank (an entry
-    that is not plain data, entries that clash) raises on every rank before anything is applied."""
-    beside, error = attempt(lambda: titan_entries(folder, files))
+    that is not plain data, entries that clash) raises on every rank before anything is applied.
+    Also the checked parse of the metadata, which the rest of the load reuses."""
+
+    def read() -> tuple[dict[str, Any], Metadata]:
+        metadata = read_metadata(folder, files)
+        return titan_entries(folder, metadata), metadata
+
+    beside, error = attempt(read)
     raise_together(error, group, "load_checkpoint", unchanged="Nothing was loaded")
     assert beside is not None
     return beside
 
 
-def titan_entries(folder: Path, files: Any) -> dict[str, Any]:
+def titan_entries(folder: Path, metadata: Metadata) -> dict[str, Any]:
     """torchtitan's non-model, non-optimizer entries (``TITAN_ENTRIES``) of ``folder``, nested by
     their dotted keys, read as plain data by this rank alone (no collective, nothing unpickled but
     ``torch.load(weights_only=True)``'s numbers, strings, bytes and containers)."""
-    metadata = read_metadata(folder, files)
     out: dict[str, Any] = {}
     leaves: set[str] = set()  # the keys read so far, and every dotted prefix of them
     inner: set[str] = set()
@@ -246,8 +253,10 @@ def _check_and_read(
     parts: Parts,
     fresh: bool,
     group: dist.ProcessGroup | None,
+    parsed: Metadata | None,
 ) -> tuple[dict[str, Any], list[PartState]]:
-    """The load's state dict filled from the checkpoint, after every check passed on every rank."""
+    """The load's state dict filled from the checkpoint, after every check passed on every rank;
+    ``parsed``: the metadata's checked parse where the load has one already."""
     with_optimizer = parts.has_optimizer and not fresh
     states: list[PartState] = []
 
@@ -259,7 +268,7 @@ def _check_and_read(
             state = dcp_state(states)
         # parsed once for the checks and DCP's reader: 5 to 7 CPU s a parse at 400 entries x 256 chunks
         # (benchmarks/bench_load_metadata.py), three parses a load before
-        metadata = read_metadata(folder, manifest["files"])
+        metadata = parsed if parsed is not None else read_metadata(folder, manifest["files"])
         if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)
             match_lr_kinds(state["optimizer"], metadata, key_format.optim)
         return state, metadata

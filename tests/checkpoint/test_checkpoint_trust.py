@@ -25,6 +25,7 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor.checkpoint import safe_read
 from muon_dtensor.checkpoint.manifest import MANIFEST, file_record, read_manifest
 from muon_dtensor.checkpoint.safe_read import read_metadata
+from tests.checkpoint.test_titan_entries import _titan_folder
 from tests.helpers.models import state_copy, trained_net
 
 
@@ -133,14 +134,17 @@ def test_a_pickled_param_group_entry_never_runs(tmp_path: Path) -> None:
     assert "optimizer.param_groups.layers.0.weight.lr" in message and "__0_0.distcp" in message
 
 
-@pytest.mark.parametrize("reader", ["load_checkpoint", "export_safetensors"])
+@pytest.mark.parametrize(
+    "reader", ["load_checkpoint", "load_checkpoint of torchtitan's", "export_safetensors"]
+)
 def test_a_load_parses_the_metadata_once(
     saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str
 ) -> None:
     """The checks and DCP's reader share one parse, so DCP reads by the metadata that was checked,
     not by the file read again after the checks. It was three parses a load (the lr kinds, the
-    checks, the reader) and two an export; one takes 5 to 7 CPU s at 400 entries x 256 chunks
-    (docs/benchmarks.md)."""
+    checks, the reader), four for a torchtitan folder (its entries beside the weights) and two an
+    export; one takes 5 to 7 CPU s at 400 entries x 256 chunks (docs/benchmarks.md)."""
+    titan = _titan_folder(tmp_path / "titan", {"train_state": {"step": 3}})
     parses = []
     parse = safe_read._MetadataUnpickler.load
 
@@ -149,11 +153,11 @@ def test_a_load_parses_the_metadata_once(
         return parse(self)
 
     monkeypatch.setattr(safe_read._MetadataUnpickler, "load", counted)
-    if reader == "load_checkpoint":
-        model, opt = trained_net(1)
-        ckpt.load_checkpoint(saved, model, opt)
-    else:
+    if reader == "export_safetensors":
         ckpt.export_safetensors(saved / "step_00000001", tmp_path / "out")
+    else:
+        model, opt = trained_net(1)
+        ckpt.load_checkpoint(saved if reader == "load_checkpoint" else titan, model, opt)
     assert len(parses) == 1, f"{len(parses)} parses of .metadata in one {reader}"
 
 
