@@ -38,7 +38,9 @@ from muon_dtensor.base.torch_dist import dcp_records  # noqa: E402
 from muon_dtensor.checkpoint.safe_read import read_metadata  # noqa: E402
 
 STORAGE_INFO = dcp_records()[0]
-SIZES = [(100, 8), (200, 64), (400, 256)]  # (entries, chunks per entry = ranks)
+# (entries, chunks per entry = ranks); 1,600 entries is about Llama-3-70B's weights and optimizer
+# state (723 parameters, 560 momenta, 326 AdamW moments) over a shard group of 256
+SIZES = [(100, 8), (200, 64), (400, 256), (1600, 256)]
 
 
 def metadata(entries: int, ranks: int) -> Metadata:
