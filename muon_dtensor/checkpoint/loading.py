@@ -208,10 +208,10 @@ def _checked_titan_entries(
         metadata = read_metadata(folder, files)
         return titan_entries(folder, metadata), metadata
 
-    beside, error = attempt(read)
+    entries_and_parse, error = attempt(read)
     raise_together(error, group, "load_checkpoint", unchanged="Nothing was loaded")
-    assert beside is not None
-    return beside
+    assert entries_and_parse is not None
+    return entries_and_parse
 
 
 def titan_entries(folder: Path, metadata: Metadata) -> dict[str, Any]:
