@@ -30,9 +30,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.harness.ranks import run_ranks
 
-L = pytest.importorskip("lightning")
-pytestmark = pytest.mark.integration
-from lightning.pytorch import Callback  # noqa: E402 - after the skip
+# Lightning is imported where a test runs it, not at collection: the import costs about 3 CPU s, and
+# the fast tier runs none of these tests
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        importlib.util.find_spec("lightning") is None, reason="needs lightning (the lightning extra)"
+    ),
+]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning" / "train.py"
 
@@ -73,14 +78,19 @@ def _full_state(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
     return out
 
 
-class _RecordRestored(Callback):
-    """The optimizer state as the resumed run starts, after Lightning loaded the checkpoint."""
+def _record_restored() -> Any:
+    """A callback that keeps the optimizer state as the resumed run starts, after Lightning loaded
+    the checkpoint (in ``.state``)."""
+    from lightning.pytorch import Callback
 
-    def __init__(self) -> None:
-        self.state: dict[str, torch.Tensor] = {}
+    class RecordRestored(Callback):
+        def __init__(self) -> None:
+            self.state: dict[str, torch.Tensor] = {}
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.state = _full_state(pl_module, trainer.optimizers[0])
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.state = _full_state(pl_module, trainer.optimizers[0])
+
+    return RecordRestored()
 
 
 def _fit(
@@ -88,7 +98,7 @@ def _fit(
 ) -> dict[str, Any]:
     """One Trainer run of the example's module; saves to ``ckpt`` at the end, or resumes from it."""
     example = _load_example()
-    module, recorder = example.LitLM(), _RecordRestored()
+    module, recorder = example.LitLM(), _record_restored()
     trainer = example.make_trainer(
         2, epochs, sharded_checkpoint=sharded, callbacks=[recorder], default_root_dir=str(folder)
     )
@@ -193,6 +203,7 @@ def _fabric_steps(fabric: Any, model: Any, opt: Any, steps: range) -> list[float
 
 def _fabric_setup(load: Path | None = None) -> tuple[Any, Any, Any]:
     """A fresh Fabric, model and Muon (built on the sharded parameters); loads ``load`` if given."""
+    import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
 
     example = _load_example()
