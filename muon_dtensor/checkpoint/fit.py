@@ -57,7 +57,7 @@ def check_compatible(
     key_format: KeyFormat,
     everywhere: Collection[str],
     groups: list[list[str]],
-) -> None:
+) -> dict[str, Any]:
     """Raise CheckpointError, before anything is loaded, if the checkpoint's tensors are not the
     ones the load expects: this rank's ``flat_state`` (DCP-flattened templates) must all be saved
     with their shapes, and every saved tensor of the parts asked for must be among ``everywhere``
@@ -91,6 +91,7 @@ def check_compatible(
     if "optim" in parts:
         _check_settings(folder, saved_entries, flat_state, key_format, groups)
     warn_converted_momentum(folder, metadata, flat_state, key_format.optim + "state.")
+    return saved_entries
 
 
 def _optimizer_only(keys: Iterable[str], key_format: KeyFormat) -> tuple[str, str]:

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -281,10 +282,11 @@ def _check_and_read(
     everywhere = collectives.union(set(tensor_keys(flat)), group)
     groups = [g for s in states for g in s.groups]
     check = functools.partial(check_compatible, folder, metadata, flat, key_format, everywhere, groups)
-    raise_together(attempt(check)[1], group, "load_checkpoint")
+    entries, error = attempt(check)  # every non-tensor entry the load reads, read once, here
+    raise_together(error, group, "load_checkpoint")
     rank = collectives.rank_and_size(group)[0]
     state |= templates(manifest.get("extra", {}), rank, int(manifest.get("world_size", 1)))
-    _read(SafeReader(folder, manifest["files"], metadata), state, group)
+    _read(SafeReader(folder, manifest["files"], metadata), state, group, entries)
     return state, states
 
 
@@ -302,12 +304,18 @@ def _by_index_state(parts: Parts, with_optimizer: bool) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _read(reader: SafeReader, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def _read(
+    reader: SafeReader,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    entries: Mapping[str, Any] | None,
+) -> None:
     """``dcp.load`` through the safe reader and planner. Partial: hyperparameter entries a
     torch.optim.Muon / AdamW checkpoint lacks ("algorithm") keep their current values; every tensor
-    and every group was checked before. DCP's own failure (a BaseException) becomes a
+    and every group was checked before. ``entries``: the non-tensor entries the checks read, put in
+    as they were checked instead of read again. DCP's own failure (a BaseException) becomes a
     CheckpointError, on every rank alike, as DCP raises it."""
-    planner = SafeLoadPlanner(allow_partial_load=True)
+    planner = SafeLoadPlanner(allow_partial_load=True, read=entries)
     solo = collectives.no_process_group()
     try:
         with single_process(solo):

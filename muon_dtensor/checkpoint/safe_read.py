@@ -9,12 +9,13 @@ classes, ``torch.Size``, dtypes and layouts; entries go through ``torch.load(wei
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pathlib
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from ..base.torch_dist import dcp_records
 from ._errors import CheckpointError
@@ -170,7 +171,23 @@ class SafeReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``: plain
-    containers, numbers, strings, dtypes. Anything else is a CheckpointError naming entry and file."""
+    containers, numbers, strings, dtypes. Anything else is a CheckpointError naming entry and file.
+    ``read``: entries a check already read this way (``read_entries``), by key; they are put in the
+    state as read, not read again (a load's checks read every entry it loads)."""
+
+    def __init__(self, *args: Any, read: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read = dict(read or {})
+
+    def create_local_plan(self) -> LoadPlan:
+        plan, left = super().create_local_plan(), []
+        for item in plan.items:
+            fqn = item.dest_index.fqn
+            if item.type == LoadItemType.BYTE_IO and fqn in self.read:
+                self._put_entry(fqn, self.read[fqn])
+            else:
+                left.append(item)
+        return dataclasses.replace(plan, items=left)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -184,10 +201,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "Nothing was loaded; the step folder was edited or saved with such a value (a param-group "
                 "entry holding an object)"
             ) from e
+        self._put_entry(fqn, loaded)
+
+    def _put_entry(self, fqn: str, value: Any) -> None:
         if self.flatten_state_dict:
-            _put(self.original_state_dict, self.mappings[fqn], loaded)
+            _put(self.original_state_dict, self.mappings[fqn], value)
         else:
-            self.state_dict[fqn] = loaded
+            self.state_dict[fqn] = value
 
 
 def _reason(e: Exception) -> str:
