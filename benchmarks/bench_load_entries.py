@@ -16,8 +16,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import results_config, system_info  # noqa: E402
+from benchmarks.common import least_cpu_seconds, results_config, system_info  # noqa: E402
 from muon_dtensor import Muon, split_params  # noqa: E402
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from muon_dtensor.checkpoint.safe_read import SafeLoadPlanner, read_metadata  # noqa: E402
@@ -47,26 +45,17 @@ def trained(layers: int) -> tuple[nn.Module, Muon]:
     return model, opt
 
 
-def cpu_seconds(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
-
-
 def measure(layers: int, repeat: int) -> dict[str, float | int]:
     """CPU s of a load as it is and with the entries read again; the checkpoint's entry counts."""
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(Path(tmp), 1, *trained(layers))
         entries = read_metadata(Path(tmp, "step_00000001")).state_dict_metadata.values()
         model, opt = trained(layers)
-        once = cpu_seconds(lambda: load_checkpoint(tmp, model, opt), repeat)
+        once = least_cpu_seconds(lambda: load_checkpoint(tmp, model, opt), repeat)
         mine = SafeLoadPlanner.create_local_plan
         SafeLoadPlanner.create_local_plan = DefaultLoadPlanner.create_local_plan  # type: ignore[method-assign]
         try:
-            twice = cpu_seconds(lambda: load_checkpoint(tmp, model, opt), repeat)
+            twice = least_cpu_seconds(lambda: load_checkpoint(tmp, model, opt), repeat)
         finally:
             SafeLoadPlanner.create_local_plan = mine  # type: ignore[method-assign]
     return {

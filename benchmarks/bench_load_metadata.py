@@ -16,8 +16,6 @@ import json
 import pickle
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import results_config, system_info  # noqa: E402
+from benchmarks.common import least_cpu_seconds, results_config, system_info  # noqa: E402
 from muon_dtensor.base.torch_dist import dcp_records  # noqa: E402
 from muon_dtensor.checkpoint.safe_read import read_metadata  # noqa: E402
 
@@ -57,16 +55,6 @@ def metadata(entries: int, ranks: int) -> Metadata:
         for r, o in enumerate(offsets):
             storage[MetadataIndex(fqn, o, r)] = STORAGE_INFO(f"__{r}_0.distcp", e * 65536, 65536)
     return Metadata(state_dict_metadata=tensors, storage_data=storage)
-
-
-def cpu_seconds(fn: Callable[[], object], repeat: int) -> float:
-    """The least process time of ``repeat`` calls."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
 
 
 def main() -> None:
@@ -98,8 +86,8 @@ def measure(entries: int, ranks: int, repeat: int) -> tuple[float, float, int]:
         data = pickle.dumps(metadata(entries, ranks))
         (folder / ".metadata").write_bytes(data)
         files = {f"__{r}_0.distcp" for r in range(ranks)}
-        checked = cpu_seconds(lambda: read_metadata(folder, files), repeat)
-        return checked, cpu_seconds(lambda: pickle.loads(data), repeat), len(data)
+        checked = least_cpu_seconds(lambda: read_metadata(folder, files), repeat)
+        return checked, least_cpu_seconds(lambda: pickle.loads(data), repeat), len(data)
 
 
 if __name__ == "__main__":
