@@ -267,7 +267,7 @@ def _check_and_read(
         else:
             states.extend(part_states(parts, with_optimizer))
             state = dcp_state(states)
-        # parsed once for the checks and DCP's reader: 5 to 7 CPU s a parse at 400 entries x 256 chunks
+        # parsed once for the checks and DCP's reader: 1.9 CPU s a parse at 400 entries x 256 chunks
         # (benchmarks/bench_load_metadata.py), three parses a load before
         metadata = parsed if parsed is not None else read_metadata(folder, manifest["files"])
         if "optimizer" in state:  # each lr as saved: a tensor or a float (capturable or not)

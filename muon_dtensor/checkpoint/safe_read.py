@@ -10,14 +10,15 @@ classes, ``torch.Size``, dtypes and layouts; entries go through ``torch.load(wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pathlib
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -48,7 +49,7 @@ __all__ = [
 
 METADATA = ".metadata"
 _STORAGE_INFO, _MEM_FORMAT_ENCODING, _GET_LAYOUT = dcp_records()
-# Objects a pickle may fill in (BUILD): DCP's records, never a class or torch itself.
+# The objects a DCP metadata pickle builds (NEWOBJ, then BUILD fills their fields)
 _RECORDS = (
     Metadata,
     StorageMeta,
@@ -60,15 +61,12 @@ _RECORDS = (
     _STORAGE_INFO,
 )
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")  # StorageMeta.checkpoint_id
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{(cls.__module__, cls.__name__): cls for cls in (*_RECORDS, _MEM_FORMAT_ENCODING)},
-    **{(module, name): getattr(pathlib, name) for name in _PATHS for module in ("pathlib", "pathlib._local")},
+# Types a pickle cannot set attributes on (built in, immutable), and torch's own values
+_IMMUTABLE: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _GET_LAYOUT,
     ("collections", "OrderedDict"): OrderedDict,
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
-_BUILD = pickle.BUILD[0]
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # no separator, so never a path outside or below a folder
 
 
@@ -77,27 +75,62 @@ def is_file_name(name: Any) -> bool:
     return type(name) is str and _FILE_NAME.fullmatch(name) is not None and name not in (".", "..")
 
 
-class _MetadataUnpickler(pickle._Unpickler):
-    """Python's own unpickler, with a class allow-list and BUILD limited to DCP's records (so a
-    pickle cannot set attributes on a class)."""
+class _Encoding:
+    """A memory-format code as the pickle gave it, equal to the ``_MEM_FORMAT_ENCODING`` member of
+    its value (all ``TensorProperties.__setstate__`` asks of it): the shared member itself never
+    reaches the pickle, where a BUILD could set attributes on it."""
 
-    stack: list[Any]  # pickle's own, undocumented
-    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        value = getattr(other, "value", None)
+        return isinstance(other, _MEM_FORMAT_ENCODING) and type(self.value) is int and value == self.value
+
+
+def _record(cls: type) -> type:
+    """A stand-in for the record class ``cls``, made for one parse: NEWOBJ or a call makes a plain
+    ``cls`` instance. A BUILD on the stand-in itself sets attributes on it alone, never on ``cls``."""
+
+    def new(stand_in: type, *args: Any, **kwargs: Any) -> Any:
+        record: Any = object.__new__(cls)
+        if args or kwargs:
+            record.__init__(*args, **kwargs)
+        return record
+
+    return type(cls.__name__, (cls,), {"__new__": new, "__slots__": ()})
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    """What ``find_class`` hands one parse: stand-ins and functions made for it (a BUILD on them is
+    lost with the parse), immutable types, never a shared class, enum member or function itself."""
+    allowed: dict[tuple[str, str], Any] = {(c.__module__, c.__name__): _record(c) for c in _RECORDS}
+    allowed[(_MEM_FORMAT_ENCODING.__module__, _MEM_FORMAT_ENCODING.__name__)] = lambda value: _Encoding(value)
+    allowed[("torch.serialization", "_get_layout")] = lambda name: _GET_LAYOUT(name)
+    for name in _PATHS:
+        path = functools.partial(getattr(pathlib, name))
+        allowed |= {("pathlib", name): path, ("pathlib._local", name): path}
+    return allowed | _IMMUTABLE
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle's C unpickler with an allow-list (``_allowed``): what it names is made for this parse
+    or cannot take attributes, so a pickle sets attributes on nothing the process shares."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.allowed = _allowed()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, _TORCH_VALUES):
             return value
         raise CheckpointError(f"it names {module}.{name}, which DCP metadata never holds")
-
-    def _build(self) -> None:
-        if type(self.stack[-2]) not in _RECORDS:
-            raise CheckpointError(f"it sets the attributes of a {type(self.stack[-2]).__name__}")
-        pickle._Unpickler.dispatch[_BUILD](self)  # type: ignore[arg-type]
-
-    dispatch[_BUILD] = _build
 
 
 def read_metadata(folder: Path, files: Collection[str] | None = None) -> Metadata:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import pickle
 import shutil
 from pathlib import Path
@@ -143,7 +144,7 @@ def test_a_load_parses_the_metadata_once(
     """The checks and DCP's reader share one parse, so DCP reads by the metadata that was checked,
     not by the file read again after the checks. It was three parses a load (the lr kinds, the
     checks, the reader), four for a torchtitan folder (its entries beside the weights) and two an
-    export; one takes 5 to 7 CPU s at 400 entries x 256 chunks (docs/benchmarks.md)."""
+    export; one takes 1.9 CPU s at 400 entries x 256 chunks (docs/benchmarks.md)."""
     titan = _titan_folder(tmp_path / "titan", {"train_state": {"step": 3}})
     parses = []
     parse = safe_read._MetadataUnpickler.load
@@ -180,16 +181,31 @@ def test_a_load_reads_each_entry_once(saved: Path, monkeypatch: pytest.MonkeyPat
     assert any(fqn.endswith(".lr") for fqn in reads) and opt.param_groups[0]["lr"] == 0.02
 
 
-def test_metadata_cannot_set_attributes_on_a_class(saved: Path) -> None:
-    """BUILD on an allowed class itself (not an instance of it) would patch it for the whole process."""
+_SET_PATCHED = b"N}X\x07\x00\x00\x00patchedK\x01s\x86b"  # BUILD: (None, {"patched": 1}), by setattr
+_SHARED = {  # what a pickle can name that the whole process shares, and how it reaches it
+    "a record class": (b"c" + Metadata.__module__.encode() + b"\nMetadata\n", lambda: Metadata),
+    "a path class": (b"cpathlib\nPosixPath\n", lambda: pathlib.PosixPath),
+    "the layout function": (b"ctorch.serialization\n_get_layout\n", lambda: safe_read._GET_LAYOUT),
+    "a memory-format member": (
+        b"c" + Metadata.__module__.encode() + b"\n_MEM_FORMAT_ENCODING\nK\x00\x85R",
+        lambda: safe_read._MEM_FORMAT_ENCODING(0),
+    ),
+}
+
+
+@pytest.mark.parametrize("shared", list(_SHARED))
+@pytest.mark.parametrize("state", [_SET_PATCHED, b"}X\x07\x00\x00\x00patchedK\x01sb"], ids=["slots", "dict"])
+def test_metadata_cannot_set_attributes_on_what_the_process_shares(
+    saved: Path, shared: str, state: bytes
+) -> None:
+    """A BUILD on a class, function or enum member the metadata may name would patch it for the
+    whole process: the parse hands the pickle stand-ins made for it, and refuses the result."""
     folder = saved / "step_00000001"
-    module = Metadata.__module__.encode()
-    (folder / ".metadata").write_bytes(
-        b"\x80\x02c" + module + b"\nMetadata\nN}X\x07\x00\x00\x00patchedK\x01s\x86b."
-    )
-    with pytest.raises(ckpt.CheckpointError, match="sets the attributes of a type"):
+    opcodes, target = _SHARED[shared]
+    (folder / ".metadata").write_bytes(b"\x80\x02" + opcodes + state + b".")
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata: not DCP metadata"):
         read_metadata(folder)
-    assert not hasattr(Metadata, "patched")
+    assert not hasattr(target(), "patched") and "patched" not in getattr(target(), "__dict__", {})
 
 
 def test_metadata_naming_a_file_the_manifest_does_not_check_is_refused(saved: Path, tmp_path: Path) -> None:
