@@ -2,7 +2,7 @@
 unpickler, with stand-ins made for each parse) of synthetic metadata of E entries each sharded into C
 chunks, as a run of C ranks writes it, beside the checked parse before (Python's own unpickler with
 BUILD limited to DCP's records, copied here as it was) and a plain ``pickle.loads`` of the same bytes.
-``load_checkpoint`` parses it once a load (three times before 0.6: the count is
+``load_checkpoint`` parses it once a load (three times before issue 50's round 9; the count is
 ``tests/checkpoint/test_checkpoint_trust.py::test_a_load_parses_the_metadata_once``'s). Process time,
 so other work on the host does not count.
 
