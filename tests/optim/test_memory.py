@@ -22,10 +22,10 @@ from tests.helpers.host import ns_dtype_here
 
 TIMEOUT = 180.0
 TOLERANCE = 0.10  # the issue's bound on predicted against measured peak
-# The one-process tests run Newton-Schulz in this host's faster dtype: where bf16 is emulated, the
-# Stack's bf16 iteration takes 2.9 CPU s against 0.1 in float32, and the prediction is claimed for
-# either. The 2-rank tests keep the default bf16 (and its 2-byte workspace) on every host.
-NS_DTYPE = ns_dtype_here()
+# The one-process tests run Newton-Schulz in this host's faster dtype (``ns_dtype_here``, measured
+# when the first of them runs): where bf16 is emulated, the Stack's bf16 iteration takes 2.9 CPU s
+# against 0.1 in float32, and the prediction is claimed for either. The 2-rank tests keep the
+# default bf16 (and its 2-byte workspace) on every host.
 
 
 class Stack(nn.Module):
@@ -72,7 +72,7 @@ def _check(opt: Muon, measured: int, predicted: dict[str, int], momentum_item: i
 
 @pytest.mark.parametrize("max_round_bytes", [None, 300_000])
 def test_one_process(max_round_bytes: int | None) -> None:
-    _check(*_stepped(Stack(), max_round_bytes=max_round_bytes, ns_dtype=NS_DTYPE))
+    _check(*_stepped(Stack(), max_round_bytes=max_round_bytes, ns_dtype=ns_dtype_here()))
 
 
 @pytest.mark.parametrize("model", ["stack", "many_small"])
@@ -81,7 +81,7 @@ def test_one_process_bf16_momentum(model: str) -> None:
     step's peak: the wide working copy of a bucket, its scaled gradient and Nesterov source."""
     torch.manual_seed(0)
     net = Stack() if model == "stack" else nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(200)))
-    _check(*_stepped(net, momentum_dtype=torch.bfloat16, ns_dtype=NS_DTYPE), momentum_item=2)
+    _check(*_stepped(net, momentum_dtype=torch.bfloat16, ns_dtype=ns_dtype_here()), momentum_item=2)
 
 
 @pytest.mark.parametrize("model", ["stack", "many_small"])
@@ -90,7 +90,7 @@ def test_one_process_int8_momentum(model: str) -> None:
     is one stacked chunk's float32 copies (shapes whose rows end in a short block included)."""
     torch.manual_seed(0)
     net = Stack() if model == "stack" else nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(200)))
-    opt, measured, predicted = _stepped(net, momentum_dtype=torch.int8, ns_dtype=NS_DTYPE)
+    opt, measured, predicted = _stepped(net, momentum_dtype=torch.int8, ns_dtype=ns_dtype_here())
     muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
     assert predicted["momentum"] == sum(p.numel() + 4 * p.shape[0] * -(-p.shape[1] // 256) for p in muon)
     assert sum(predicted.values()) - predicted["peak_transient"] == _state_total(opt)
