@@ -63,7 +63,8 @@ def check_compatible(
     with their shapes, and every saved tensor of the parts asked for must be among ``everywhere``
     (every rank's wanted keys: a stage loads its part, the stages together the whole checkpoint).
     A weights-only load ignores the checkpoint's optimizer entries. ``groups``: the FQNs of each
-    of this rank's param groups (format 2), whose saved settings must agree within a group."""
+    of this rank's param groups (format 2), whose saved settings must agree within a group.
+    Returns the non-tensor entries it read (every one the load reads), for the load to put in."""
     parts = {key_format.part(k) for k in flat_state} - {"other"}
     refuse_int8_conversion(folder, metadata, flat_state, key_format.optim + "state.")
     entries = {k: v for k, v in metadata.state_dict_metadata.items() if key_format.part(k) in parts}
