@@ -1,11 +1,12 @@
 """Which batches ``orthogonalize`` gets in a one-GPU step of Llama-shaped layers (the GPU check's
 part c model), and the step's device time (CUDA events, 10 steps after 4) and top-level ops, with
-the default ``max_round_bytes`` (4 MiB) and with rounds unbounded, side by side in one run. Batches
+the default ``max_round_bytes`` (4 MiB), 64 MiB and rounds unbounded, side by side in one run, with
+each step's peak transient memory. Batches
 do not span exchange rounds, so a round's byte bound also bounds a batch. Two models: part c's two
 Llama-3-8B layers (14 matrices of 4 shapes, 8 to 112 MiB each in bf16) and eight layers of width
 1,024 (56 matrices, 0.5 to 7 MiB). On CPU it runs the check's dry-run shapes, untimed.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_round_batches.py   # writes $OUT/gpu_round_batches.json
+    PYTHONPATH=$PWD python3 benchmarks/gpu_round_batches.py [NAME]   # writes $OUT/NAME (gpu_round_batches.json)
 """
 
 import collections
@@ -24,7 +25,11 @@ from muon_dtensor.numerics import newton_schulz as ns  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MODELS = {"llama3-8b x 2 layers": (LLAMA_8B_DIMS, 2), "width 1024 x 8 layers": (Dims(1024, 256, 3584), 8)}
-SETTINGS = {"default": {}, "max_round_bytes=2**40": {"max_round_bytes": 2**40}}
+SETTINGS = {
+    "default": {},
+    "max_round_bytes=64 MiB": {"max_round_bytes": 64 << 20},
+    "max_round_bytes=2**40": {"max_round_bytes": 2**40},
+}
 
 
 def device_ms(opt: torch.optim.Optimizer, reps: int) -> list[float]:
@@ -39,6 +44,18 @@ def device_ms(opt: torch.optim.Optimizer, reps: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)
+
+
+def peak_transient_mib(opt: torch.optim.Optimizer) -> float | None:
+    """What one step allocates above what was allocated before it, at its peak (None off CUDA)."""
+    if DEVICE.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def run(dims: Dims, layers: int, options: dict[str, Any]) -> dict[str, Any]:
@@ -56,12 +73,14 @@ def run(dims: Dims, layers: int, options: dict[str, Any]) -> dict[str, Any]:
     calls.clear()
     opt.step()
     sizes = collections.Counter(calls)
+    transient = peak_transient_mib(opt)
     times = device_ms(opt, 10)
     ops = st.count_ops(opt.step, DEVICE)
     return {
         "batches": {f"{n} x {s}": c for (n, s), c in sizes.items()},
         "device_ms": times,
         "ops": ops["ops"],
+        "peak_transient_mib": transient,
         "mm": {k: v for k, v in ops["top_op_names"].items() if "mm" in k or k == "aten::mT"},
     }
 
@@ -76,7 +95,8 @@ def main() -> None:
             print(name, label, json.dumps(row))
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT", "benchmarks/results"), "gpu_round_batches.json")
+    name = sys.argv[1] if len(sys.argv) > 1 else "gpu_round_batches.json"
+    path = os.path.join(os.environ.get("OUT", "benchmarks/results"), name)
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     with open(path, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "runs": out}, f, indent=1)

@@ -27,6 +27,13 @@ import torch
 
 from tests.harness import background, ranks
 
+# Bytecode is written for this session and every interpreter it starts (the pools' zygote, the
+# launchers, the background jobs' commands): where the image sets PYTHONDONTWRITEBYTECODE=1, each of
+# them compiled the package again and pytest rewrote every test module at every collection
+# (tests/README.md, "The rules of a pytest run"). The caches are git-ignored __pycache__ folders.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT = 600  # seconds per demo run; generous: it shares the 2 cores with the rest of the session
 # The demo runs tests read, by fixture name: the demo's arguments and extra environment.
