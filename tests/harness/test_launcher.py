@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from muon_dtensor.testing import RankError, run_ranks
 from muon_dtensor.testing import runner as testing
+from tests.harness import background
 from tests.harness.ranks import process_state
 
 
@@ -172,26 +173,37 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow  # a fresh launcher: torch imported again
-@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
-def test_a_changed_library_file_gets_a_fresh_launcher(tmp_path: Path) -> None:
+@background.job("changed_library_file")
+def _changed_library_file(folder: Path) -> subprocess.CompletedProcess[str]:
+    """A caller of a copy of muon_dtensor, edited between its two launches (three interpreters that
+    import torch, one after another: a background job, tests/harness/background.py)."""
     import shutil
 
     import muon_dtensor
 
-    copy = tmp_path / "muon_dtensor"
+    copy = folder / "muon_dtensor"
     shutil.copytree(Path(muon_dtensor.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
     target = copy / "optim" / "optimizer.py"
     with open(target, "a") as f:
         f.write("\nEDITED_FOR_THE_TEST = 0\n")
-    (tmp_path / "caller.py").write_text(EDITED_CALLER)
+    (folder / "caller.py").write_text(EDITED_CALLER)
     # bytecode written, as by default (a session may run with PYTHONDONTWRITEBYTECODE set)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = background.environ(PYTHONPATH=str(folder))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    out = subprocess.run(
-        [sys.executable, str(tmp_path / "caller.py"), str(target)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return background.run(
+        [sys.executable, str(folder / "caller.py"), str(target)], timeout=300, env=env, cwd=folder
+    )
+
+
+changed_library_file = background.reader("changed_library_file")
+
+
+@pytest.mark.slow  # a fresh launcher: torch imported again
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_a_changed_library_file_gets_a_fresh_launcher(
+    changed_library_file: subprocess.CompletedProcess,
+) -> None:
+    out = changed_library_file
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[0,", "0]", "[1,", "1]"], out.stdout
 
@@ -263,23 +275,23 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow  # a caller and a launcher per case, both cases side by side
-@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
-def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path) -> None:
+@background.job("interrupted_launches")
+def _interrupted_launches(folder: Path) -> dict[str, tuple[str, str, bool]]:
     """Both interrupts at once, each in its own caller: the terminal's (the caller's process group)
-    and a notebook's (the caller alone). Run one after the other they took 21 s of the suite, most
-    of it two interpreters importing torch and the caller's closing wait."""
-    (tmp_path / "caller.py").write_text(INTERRUPTED_CALLER)
-    cases = {"terminal": tmp_path / "terminal", "caller_only": tmp_path / "caller_only"}
+    and a notebook's (the caller alone); per case the caller's output and whether a rank outlived it.
+    Run one after the other they took 21 s of the suite, most of it two interpreters importing torch
+    and the caller's closing wait: a background job (tests/harness/background.py)."""
+    (folder / "caller.py").write_text(INTERRUPTED_CALLER)
+    cases = {"terminal": folder / "terminal", "caller_only": folder / "caller_only"}
     procs = {}
     try:
-        for case, folder in cases.items():
-            folder.mkdir()
-            procs[case] = subprocess.Popen(
-                [sys.executable, str(tmp_path / "caller.py"), str(folder)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        for case, where in cases.items():
+            where.mkdir()
+            procs[case] = background.popen(
+                [sys.executable, str(folder / "caller.py"), str(where)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=background.environ(),
             )  # fmt: skip
-        pids = {case: _wait_for_pids(folder, procs[case]) for case, folder in cases.items()}
+        pids = {case: _wait_for_pids(where, procs[case]) for case, where in cases.items()}
         os.killpg(procs["terminal"].pid, signal.SIGINT)
         os.kill(procs["caller_only"].pid, signal.SIGINT)
         outcomes = {case: proc.communicate(timeout=60) for case, proc in procs.items()}
@@ -287,9 +299,20 @@ def test_an_interrupted_launch_ends_its_ranks_quietly(tmp_path: Path) -> None:
         for proc in procs.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    for case, (out, err) in outcomes.items():
+    return {case: (out, err, any(_alive(pid) for pid in pids[case])) for case, (out, err) in outcomes.items()}
+
+
+interrupted_launches = background.reader("interrupted_launches")
+
+
+@pytest.mark.slow  # a caller and a launcher per case, both cases side by side
+@pytest.mark.skipif(sys.platform != "linux", reason="the ranks are forked on Linux only")
+def test_an_interrupted_launch_ends_its_ranks_quietly(
+    interrupted_launches: dict[str, tuple[str, str, bool]],
+) -> None:
+    for case, (out, err, outlived) in interrupted_launches.items():
         assert (out, err) == ("interrupted\nended\n", ""), (case, out, err)
-        assert not any(_alive(pid) for pid in pids[case]), f"{case}: an interrupted rank outlived its caller"
+        assert not outlived, f"{case}: an interrupted rank outlived its caller"
 
 
 def _wait_for_pids(folder: Path, proc: subprocess.Popen) -> list[int]:
