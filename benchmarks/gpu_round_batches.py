@@ -1,10 +1,10 @@
 """Which batches ``orthogonalize`` gets in a one-GPU step of Llama-shaped layers (the GPU check's
 part c model), and the step's device time (CUDA events, 10 steps after 4) and top-level ops, with
 the default ``max_round_bytes`` (4 MiB), 64 MiB and rounds unbounded, side by side in one run, with
-each step's peak transient memory. Batches
-do not span exchange rounds, so a round's byte bound also bounds a batch. Two models: part c's two
-Llama-3-8B layers (14 matrices of 4 shapes, 8 to 112 MiB each in bf16) and eight layers of width
-1,024 (56 matrices, 0.5 to 7 MiB). On CPU it runs the check's dry-run shapes, untimed.
+each step's peak transient memory. Batches do not span exchange rounds, so a round's byte bound
+also bounds a batch. Three models: part c's two Llama-3-8B layers (14 matrices of 4 shapes, 8 to
+112 MiB each in bf16), eight layers of width 1,024 (56 matrices, 0.5 to 7 MiB) and Llama-3.2-1B's
+16 layers (112 matrices, 2 to 32 MiB). On CPU it runs the check's dry-run shapes, untimed.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_round_batches.py [NAME]   # writes $OUT/NAME (gpu_round_batches.json)
 """
@@ -24,7 +24,11 @@ from muon_dtensor import Muon, split_params  # noqa: E402
 from muon_dtensor.numerics import newton_schulz as ns  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-MODELS = {"llama3-8b x 2 layers": (LLAMA_8B_DIMS, 2), "width 1024 x 8 layers": (Dims(1024, 256, 3584), 8)}
+MODELS = {
+    "llama3-8b x 2 layers": (LLAMA_8B_DIMS, 2),
+    "width 1024 x 8 layers": (Dims(1024, 256, 3584), 8),
+    "llama3.2-1b (width 2048 x 16 layers)": (Dims(2048, 512, 8192), 16),
+}
 SETTINGS = {
     "default": {},
     "max_round_bytes=64 MiB": {"max_round_bytes": 64 << 20},
