@@ -28,9 +28,9 @@ import torch
 from tests.harness import background, ranks
 
 # Bytecode is written for this session and every interpreter it starts (the pools' zygote, the
-# launchers, the background jobs' commands): where the image sets PYTHONDONTWRITEBYTECODE=1, each of
-# them compiled the package again and pytest rewrote every test module at every collection
-# (tests/README.md, "The rules of a pytest run"). The caches are git-ignored __pycache__ folders.
+# launchers): where the image sets PYTHONDONTWRITEBYTECODE=1, pytest rewrote and compiled every test
+# module at every collection, 3 to 4 s of each session here (tests/README.md, "The rules of a
+# pytest run"). The caches are git-ignored __pycache__ folders.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 

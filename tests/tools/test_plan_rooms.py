@@ -1,6 +1,7 @@
 """The ``plan`` command in one room (issue 50 item 1): its parsing and printing live in ``tools/``,
-``planning/`` keeps the arithmetic (no argparse, no print), and the old module paths import the new
-modules with a DeprecationWarning naming the new path, ``planning.cli.Layout`` included."""
+``planning/`` keeps the arithmetic (no argparse, no print), and the old module paths stay in the
+table of old paths (tests/base/test_moved.py imports each and checks its warning), ``planning.cli.Layout``
+the pure one."""
 
 from __future__ import annotations
 
