@@ -15,10 +15,8 @@ import builtins
 import errno
 import io
 import os
-import pickle
 import random
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,6 @@ import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checks.together import raise_together
 from muon_dtensor.testing import run_ranks as run_fresh
-from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.helpers.models import build, full, model_grads, step_together
 
@@ -136,37 +133,15 @@ class _Metered:
         self._f.close()
 
 
-@background.job("full_disks_at_any_byte")
-def _full_disks_at_any_byte(folder: Path) -> tuple[list[list[dict[str, Any]]], Path]:
-    """``full_disks`` on 2 fresh ranks, both ranks' disks in one launch, by a process of its own
-    beside the session's tests (tests/harness/background.py): each rank's results, pickled (they
-    hold tuples), and the folder of the checkpoints."""
-    root, out = folder / "ckpt", folder / "results.pickle"
-    code = (
-        "import pickle; from muon_dtensor.testing import run_ranks; "
-        "from tests.checkpoint.test_checkpoint_faults import TIMEOUT, full_disks; "
-        f"out = run_ranks(full_disks, 2, {str(root)!r}, [0, 1], timeout=2 * TIMEOUT); "
-        f"open({str(out)!r}, 'wb').write(pickle.dumps(out))"
-    )
-    done = background.run([sys.executable, "-c", code], timeout=4 * TIMEOUT, env=background.importable())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return pickle.loads(out.read_bytes()), root
-
-
-full_disks_at_any_byte = background.reader("full_disks_at_any_byte")
-
-
 @pytest.mark.slow
-def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(
-    full_disks_at_any_byte: tuple[list[list[dict[str, Any]]], Path],
-) -> None:
+def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     """Each rank's disk fills in turn: before the save, at the first, second, middle and last byte
     of every file it writes (its shard; on rank 0 also DCP's .metadata and the manifest, whose last
     byte is the very end of the save) and at 7 more points of its shard. The default tier runs a
     sample of these (the next test)."""
-    both, folder = full_disks_at_any_byte
+    both = run_fresh(full_disks, 2, str(tmp_path), [0, 1], timeout=2 * TIMEOUT)  # one launch
     for who in (0, 1):
-        root = folder / f"rank{who}_full"
+        root = tmp_path / f"rank{who}_full"
         results = [per_rank[who] for per_rank in both]
         faults = results[0]["faults"]
         files = 3 if who == 0 else 1  # rank 0: shard, .metadata, manifest; rank 1: its shard

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ import torch.distributed as dist
 
 import muon_dtensor.checkpoint as ckpt
 import muon_dtensor.checkpoint.save as helpers
-from tests.harness import background
+from muon_dtensor.testing import RankError
+from muon_dtensor.testing import run_ranks as run_fresh
 from tests.harness.ranks import run_ranks
 from tests.helpers.pipeline import differences, snapshot
 from tests.helpers.stage_layouts import build, train
@@ -39,34 +39,13 @@ def test_stage_checkpoints_keep_their_promises(tmp_path: Path) -> None:
         assert kind == "OSError" and "No space left on device" in message and published == [2, 3], r
 
 
-@background.job("stage_rank_dies_mid_save")
-def _stage_rank_dies_mid_save(folder: Path) -> tuple[str, Path]:
-    """Fresh processes, launched by a process of their own beside the session's tests
-    (tests/harness/background.py): rank 3 (stage 1) leaves through os._exit after writing its
-    shards. The launch's outcome (the error's type, or "ok") and the checkpoint folder."""
-    root = folder / "ckpt"
-    code = (
-        "from muon_dtensor.testing import RankError, run_ranks; "
-        "from tests.checkpoint.test_pipeline_checkpoint_faults import die_mid_save\n"
-        f"try:\n    run_ranks(die_mid_save, 4, {str(root)!r}, timeout=90)\n    print('ok')\n"
-        "except RankError:\n    print('RankError')"
-    )
-    done = background.run([sys.executable, "-c", code], timeout=150, env=background.importable())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1], root
-
-
-stage_rank_dies_mid_save = background.reader("stage_rank_dies_mid_save")
-
-
 @pytest.mark.slow
-def test_a_stage_rank_that_dies_mid_save_publishes_nothing(
-    stage_rank_dies_mid_save: tuple[str, Path],
-) -> None:
-    outcome, root = stage_rank_dies_mid_save
-    assert outcome == "RankError", outcome
-    assert ckpt.complete_steps(root) == [1]
-    assert not list(root.glob(".tmp_step_*"))  # a surviving rank 0 removed the failed save
+def test_a_stage_rank_that_dies_mid_save_publishes_nothing(tmp_path: Path) -> None:
+    """Fresh processes: rank 3 (stage 1) leaves through os._exit after writing its shards."""
+    with pytest.raises(RankError):
+        run_fresh(die_mid_save, 4, str(tmp_path), timeout=90)
+    assert ckpt.complete_steps(tmp_path) == [1]
+    assert not list(tmp_path.glob(".tmp_step_*"))  # a surviving rank 0 removed the failed save
 
 
 # Rank functions (run by tests.harness.ranks in every rank of the pool; die_mid_save in fresh ranks).
