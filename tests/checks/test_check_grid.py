@@ -35,8 +35,7 @@ from muon_dtensor.planning.hardware import (
 )
 from muon_dtensor.sharding.plan import grid
 from muon_dtensor.sharding.runtime import groups
-from muon_dtensor.testing import run_ranks as fresh_ranks
-from tests.harness.ranks import run_ranks
+from tests.harness.ranks import run_apart, run_ranks
 
 TIMEOUT = 90  # a rank that waits at another store prefix is a hang: fail at this deadline
 
@@ -133,13 +132,13 @@ def test_butterfly_sum_still_raises_on_every_rank() -> None:
     assert all(isinstance(r, str) and "'lr'" in r for _, r in results)
 
 
-# the stage's case in the slow tier (fresh processes, about 5 s): the subset's holds the same naming
+# the stage's case in the slow tier: the subset's holds the same naming
 @pytest.mark.parametrize("made_first", ["subset", pytest.param("stage", marks=pytest.mark.slow)])
 def test_a_group_made_first_neither_hangs_nor_changes_the_step(made_first: str) -> None:
-    """Fresh processes: the group made first stays in the process. One launch runs the step, then a
-    step whose lr differs on rank 1 over the same check groups."""
+    """On a pool of its own (``run_apart``): the group made first stays in its processes. One call
+    runs the step, then a step whose lr differs on rank 1 over the same check groups."""
     flat = run_ranks(_steps, 4, False, timeout=TIMEOUT)
-    both = fresh_ranks(_step_then_a_differing_one, 4, made_first, timeout=TIMEOUT)
+    both = run_apart(_step_then_a_differing_one, 4, made_first, timeout=TIMEOUT)
     assert [r for (_, r), _ in both] == [r for _, r in flat]
     assert all(isinstance(r, str) and "'lr'" in r for _, (_, r) in both)
 
@@ -148,11 +147,11 @@ def _step_then_a_differing_one(made_first: str) -> tuple[Any, Any]:
     return _steps(True, 0.02, made_first), _steps(True, 0.5)
 
 
-@pytest.mark.slow  # fresh processes, about 7 s; the fold itself is played out in the fast tier above
+@pytest.mark.slow  # a pool of its own; the fold itself is played out in the fast tier above
 def test_three_ranks_fold_the_third_in_and_out() -> None:
     """3 ranks, not a power of two: rank 2 sums with rank 0 before and takes the total after."""
     flat = run_ranks(_steps, 3, False, timeout=TIMEOUT)
-    forced = fresh_ranks(_steps, 3, True, 0.02, "subset", timeout=TIMEOUT)
+    forced = run_apart(_steps, 3, True, 0.02, "subset", timeout=TIMEOUT)
     assert [s for s, _ in forced] == [[2, 2, 2], [2], [2, 2]]
     assert [r for _, r in forced] == [r for _, r in flat]
 
@@ -168,7 +167,7 @@ def _stage_exchange() -> Any:
 
 
 def test_a_stage_exchange_group_is_named_by_its_members() -> None:
-    results = fresh_ranks(_stage_exchange, 4, timeout=TIMEOUT)
+    results = run_apart(_stage_exchange, 4, timeout=TIMEOUT)
     assert results == [([0, 1], 3.0), ([0, 1], 3.0), ([2, 3], 7.0), ([2, 3], 7.0)]
 
 

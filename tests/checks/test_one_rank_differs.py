@@ -13,8 +13,6 @@ with a parameter on a mesh the other ranks do not step on waited forever in that
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +31,6 @@ from muon_dtensor import Muon, qk_clip_, qk_clip_all_, split_params
 from muon_dtensor.integrations.clipping import clip_grad_norm_stages_
 from muon_dtensor.sharding.plan import grid
 from tests.harness import background
-from tests.harness.ranks import run_ranks
 from tests.helpers.models import build
 
 BOUND_S = 10.0  # seconds a case may take on any rank: a rank left waiting would take the call's timeout
@@ -379,28 +376,18 @@ def test_the_table_covers_every_public_call_that_communicates() -> None:
     assert len(ROWS) >= 40, len(ROWS)
 
 
-def test_one_rank_differs_on_two_ranks(tmp_path: Path) -> None:
-    _check(run_ranks(one_rank_differs, 2, str(tmp_path), ROWS, timeout=300))
+# The table's runs: background jobs on pools of their own (tests/harness/background.py, ``apart``),
+# beside the session's tests, which leave a core idle while they run in the session alone.
+two_ranks_differ = background.apart(
+    "two_ranks_differ", one_rank_differs, 2, ROWS, timeout=300, in_folder=True
+)
+three_ranks_differ = background.apart(
+    "three_ranks_differ", one_rank_differs, 3, ROWS, timeout=300, in_folder=True
+)
 
 
-@background.job("three_ranks_differ")
-def _three_ranks(folder: Path) -> Path:
-    """The table on 3 fresh ranks, launched by a process of their own beside the session's tests
-    (tests/harness/background.py); their results saved to ``folder / "ranks.json"``."""
-    code = (
-        "import json, sys; from muon_dtensor.testing import run_ranks; "
-        "from tests.checks.test_one_rank_differs import ROWS, one_rank_differs; "
-        f"out = run_ranks(one_rank_differs, 3, {str(folder)!r}, ROWS, timeout=300); "
-        f"open({str(folder / 'ranks.json')!r}, 'w').write(json.dumps(out))"
-    )
-    done = background.run([sys.executable, "-c", code], timeout=360, env=background.environ())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder / "ranks.json"
-
-
-@pytest.fixture
-def three_ranks_differ() -> Any:
-    return json.loads(background.result("three_ranks_differ").read_text())
+def test_one_rank_differs_on_two_ranks(two_ranks_differ: Any) -> None:
+    _check(two_ranks_differ)
 
 
 @pytest.mark.slow

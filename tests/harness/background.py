@@ -26,7 +26,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["JOBS", "Runner", "command", "environ", "importable", "job", "popen", "reader", "result", "run"]
+__all__ = [
+    "JOBS", "Runner", "apart", "command", "environ", "importable", "job", "popen", "reader", "result", "run",
+]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[[Path], Any])
 JOBS: dict[str, Callable[[Path], Any]] = {}
@@ -82,6 +84,25 @@ def command(name: str, argv: list[str], *, timeout: float, **kwargs: Any) -> Any
     """Register the job ``name`` that is ``run(argv, timeout=timeout, **kwargs)`` (``env`` should
     come from ``environ``) and return its fixture, also named ``name``: assign it in the module."""
     job(name)(lambda folder: run(argv, timeout=timeout, **kwargs))
+    return reader(name)
+
+
+def apart(
+    name: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float, in_folder: bool = False
+) -> Any:
+    """Register the job ``name`` that is ``tests.harness.ranks.run_apart(fn, world_size, *args)``
+    (with the job's own folder, a str, as the first argument if ``in_folder``) and return its
+    fixture, also named ``name``: a distributed test of the slow tier whose ranks run beside the
+    session's tests, on a pool the zygote forks (no torch import), where the session's own chain of
+    tests is the longer one."""
+
+    def run_on_a_pool(folder: Path) -> Any:
+        from tests.harness.ranks import run_apart
+
+        first = (str(folder),) if in_folder else ()
+        return run_apart(fn, world_size, *first, *args, timeout=timeout)
+
+    job(name)(run_on_a_pool)
     return reader(name)
 
 

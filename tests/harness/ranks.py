@@ -36,8 +36,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,7 +46,7 @@ from muon_dtensor.testing import RankError
 from muon_dtensor.testing.launcher import VOLATILE, exit_code
 from tests.harness.zygote import Forked, Zygote, process_state
 
-__all__ = ["STARTS", "RankError", "process_state", "run_ranks", "shutdown"]
+__all__ = ["STARTS", "RankError", "process_state", "run_apart", "run_ranks", "shutdown", "zygote_aside"]
 
 START_TIMEOUT = 180.0  # seconds for a pool to import torch and meet; 2 busy cores can be slow
 GRACE = 3.0  # seconds the other ranks get to report once one rank has failed
@@ -82,6 +83,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         pool.close()
     else:
         pool.signal(signal.SIGSTOP)  # idle until its next call: no gloo loop thread polls meanwhile
+    return values
+
+
+def run_apart(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """``run_ranks`` on a pool of its own, started for this call and closed after it: for a background
+    job's thread (tests/harness/background.py), beside the session's pools. Its launcher is a fork of
+    the zygote, under the zygote's environment: no interpreter imports torch for it (a job that ran
+    ``muon_dtensor.testing.run_ranks`` in a ``python -c`` imported torch twice, 5 to 6 s of a core)."""
+    with _ZYGOTE_LOCK:  # the zygote's environment, and its fork, while no test sets it aside
+        env = _ZYGOTE[0].env if _ZYGOTE else _pool_env()
+        pool = _Pool(world_size, env, f"{fn.__module__}:{fn.__qualname__} (apart)")
+    try:
+        values = pool.run(f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout)[0]
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    pool.close()
     return values
 
 
@@ -122,12 +140,12 @@ def start_zygote() -> None:
 class _Pool:
     """``world_size`` worker processes, one gloo group, task files and result files in one folder."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, env: dict[str, str] | None = None, cause: str | None = None) -> None:
         start = time.monotonic()
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix=f"muon_dtensor_pool{world_size}_"))
         self.tasks = itertools.count()
-        env = _pool_env()
+        env = env or _pool_env()
         for r in range(world_size):
             (self.folder / f"stderr{r}").touch()
             os.mkfifo(self.folder / f"tasks{r}")  # a task line per worker
@@ -138,7 +156,7 @@ class _Pool:
             _Worker(self.launcher, self.folder, r, os.fdopen(w, "wb")) for r, w in enumerate(writes)
         ]
         self._wait_ready()
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+        test = cause or os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
         forked = isinstance(self.launcher, Forked)
         STARTS.append((world_size, time.monotonic() - start, test, forked))
 
@@ -276,7 +294,12 @@ atexit.register(shutdown)
 def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | subprocess.Popen:
     """The pool's launcher: forked by the session's zygote where the environment is the zygote's
     (``VOLATILE`` aside, as the kept launchers of ``muon_dtensor.testing`` compare), else an
-    interpreter of its own."""
+    interpreter of its own. One caller at a time: a background job's pool asks the zygote too."""
+    with _ZYGOTE_LOCK:
+        return _fork_or_start(env, folder, world_size)
+
+
+def _fork_or_start(env: dict[str, str], folder: Path, world_size: int) -> Forked | subprocess.Popen:
     if _ZYGOTE and not _ZYGOTE[0].forked and _steady(_ZYGOTE[0].env) != _steady(env):
         _close_zygote()  # started early, never used: the first pool's environment is the zygote's
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
@@ -298,6 +321,23 @@ def _launcher(env: dict[str, str], folder: Path, world_size: int) -> Forked | su
 
 
 _ZYGOTE: list[Zygote] = []
+# A request to the zygote and its answer, one caller at a time; held by ``zygote_aside`` too.
+_ZYGOTE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def zygote_aside() -> Iterator[None]:
+    """For a test of the zygote itself: the session's zygote set aside (not closed: it forked the
+    pools of ``run_apart`` that may be running) and restored after; the zygotes made meanwhile are
+    closed. ``run_apart`` waits meanwhile, so it never forks from the test's zygote."""
+    with _ZYGOTE_LOCK:
+        kept = _ZYGOTE[:]
+        _ZYGOTE.clear()
+        try:
+            yield
+        finally:
+            _close_zygote()
+            _ZYGOTE[:] = kept
 
 
 def _steady(env: dict[str, str]) -> dict[str, str]:

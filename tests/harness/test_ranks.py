@@ -100,14 +100,14 @@ def test_a_zygote_started_early_gives_way_to_the_first_pools_environment(
     the environment; if the first pool's differs all the same, a new zygote takes its place (an
     unused one is provisional) instead of that pool, and every later one, importing torch anew."""
     _retire(2)
-    ranks._close_zygote()
-    monkeypatch.setenv("MUON_DTENSOR_POOL_TEST", "early")
-    ranks.start_zygote()
-    early = ranks._ZYGOTE[0].proc.pid
-    monkeypatch.delenv("MUON_DTENSOR_POOL_TEST")
-    launcher, seen = run_ranks(parent_and_variable, 2, "MUON_DTENSOR_POOL_TEST")[0]
-    assert _parent(launcher) == ranks._ZYGOTE[0].proc.pid != early and seen is None
-    _retire(2)
+    with ranks.zygote_aside():  # the session's zygote forks the background jobs' pools: not closed
+        monkeypatch.setenv("MUON_DTENSOR_POOL_TEST", "early")
+        ranks.start_zygote()
+        early = ranks._ZYGOTE[0].proc.pid
+        monkeypatch.delenv("MUON_DTENSOR_POOL_TEST")
+        launcher, seen = run_ranks(parent_and_variable, 2, "MUON_DTENSOR_POOL_TEST")[0]
+        assert _parent(launcher) == ranks._ZYGOTE[0].proc.pid != early and seen is None
+        _retire(2)
 
 
 def _retire(world_size: int) -> None:

@@ -1,5 +1,5 @@
-"""docs/hf_trainer.md, run as written: its three ``python`` blocks, in fresh processes (accelerate
-keeps process-wide state). The page's ``model`` and ``train_dataset`` ("yours") are the tiny Llama
+"""docs/hf_trainer.md, run as written: its three ``python`` blocks, each run on a pool of its own
+(``run_apart``: accelerate keeps process-wide state). The page's ``model`` and ``train_dataset`` ("yours") are the tiny Llama
 and counting data of tests/integrations/test_hf_trainer.py.
 
 The FSDP2 block runs on 2 CPU ranks (gloo) with ``transformers.Trainer`` replaced by the page's own
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon_dtensor import Muon
-from muon_dtensor.testing import run_ranks
+from tests.harness.ranks import run_apart
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -43,7 +43,7 @@ def test_guide_blocks_compile() -> None:
 
 @pytest.mark.slow
 def test_optimizer_form_trains_in_one_process(tmp_path: Path) -> None:
-    (out,) = run_ranks(run_block, 1, str(tmp_path), [0], timeout=240)
+    (out,) = run_apart(run_block, 1, str(tmp_path), [0], timeout=240)
     assert out["optimizer"] == "Muon" and not out["fsdp"] and not out["dtensors"]
     assert out["groups"] == [("muon", False), ("adamw", True)], out["groups"]
     assert len(out["losses"]) == 4 and out["losses"][-1] < out["losses"][0], out["losses"]
@@ -51,7 +51,7 @@ def test_optimizer_form_trains_in_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_factory_form_trains_fsdp2_on_two_ranks(tmp_path: Path) -> None:
-    per_rank = run_ranks(run_block, 2, str(tmp_path), [2, 1], timeout=300)
+    per_rank = run_apart(run_block, 2, str(tmp_path), [2, 1], timeout=300)
     for out in per_rank:
         assert out["optimizer"] == "Muon" and out["fsdp"] and out["dtensors"], out
         assert out["groups"] == [("muon", False), ("adamw", True)], out["groups"]
@@ -61,7 +61,7 @@ def test_factory_form_trains_fsdp2_on_two_ranks(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "hf-muon-fsdp2" / "checkpoint-4" / "optimizer_0" / ".metadata").is_file()
 
 
-# Rank functions (fresh processes, muon_dtensor.testing).
+# Rank functions (each call on a pool of its own, tests.harness.ranks.run_apart).
 
 
 def run_block(root: str, order: list[int]) -> dict[str, Any]:

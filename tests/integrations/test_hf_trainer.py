@@ -22,7 +22,6 @@ etc. from the environment and keeps process-wide state. Skipped without transfor
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_dtensor.integrations.hf import FsdpOnCpu, MuonForTrainer
 from tests.harness import background
+from tests.harness.ranks import run_apart
 from tests.helpers.models import full
 
 transformers = pytest.importorskip("transformers")
@@ -48,27 +48,19 @@ Snapshot = dict[str, torch.Tensor]
 
 
 @background.job("trainer_runs")
-def _trainer_runs(folder: Path) -> tuple[Path, Path]:
-    """``train_and_save`` then ``resume`` on 2 fresh ranks each, launched by a process of their own
-    beside the session's tests (tests/harness/background.py); what the ranks return in ``folder``'s
-    ``runs.pt``, their checkpoints in ``folder / "ckpt"``."""
-    code = (
-        "import torch; from muon_dtensor.testing import run_ranks; "
-        "from tests.integrations.test_hf_trainer import resume, train_and_save; "
-        f"root = {str(folder / 'ckpt')!r}; "
-        "first = run_ranks(train_and_save, 2, root, timeout=240); "
-        f"torch.save((first, run_ranks(resume, 2, root, timeout=240)), {str(folder / 'runs.pt')!r})"
-    )
-    (folder / "ckpt").mkdir()
-    done = background.run([sys.executable, "-c", code], timeout=600, env=background.environ())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder / "runs.pt", folder / "ckpt"
+def _trainer_runs(folder: Path) -> tuple[Any, Path]:
+    """``train_and_save`` then ``resume``, each on 2 ranks of a pool of their own (accelerate keeps
+    state per process), beside the session's tests (tests/harness/background.py, ``run_apart``); what
+    the ranks return, and their checkpoints' folder ``folder / "ckpt"``."""
+    root = folder / "ckpt"
+    root.mkdir()
+    first = run_apart(train_and_save, 2, str(root), timeout=240)
+    return (first, run_apart(resume, 2, str(root), timeout=240)), root
 
 
 @pytest.fixture
 def trainer_runs() -> tuple[Any, Path]:
-    runs, root = background.result("trainer_runs")
-    return torch.load(runs, weights_only=True), root
+    return background.result("trainer_runs")
 
 
 @pytest.mark.slow
@@ -94,7 +86,7 @@ def test_trainer_fsdp2_resumes_momentum_and_run_exactly(trainer_runs: tuple[Any,
             assert straight["losses"][-1] < straight["losses"][0], straight["losses"]
 
 
-# Rank functions (fresh processes, muon_dtensor.testing).
+# Rank functions (each call on a pool of its own: tests.harness.ranks.run_apart).
 
 
 class Counting(torch.utils.data.Dataset):

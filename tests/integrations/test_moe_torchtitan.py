@@ -61,6 +61,7 @@ from torch import nn
 
 from muon_dtensor import Muon
 from tests.harness import background
+from tests.harness.ranks import run_apart
 from tests.helpers.models import dt, full_state
 from tests.helpers.stage_layouts import gradient, train
 
@@ -276,23 +277,15 @@ def titan_runs() -> dict[str, Any]:
 
 
 @background.job("titan_moe_runs")
-def _in_background(folder: Path) -> Path:
-    """``titan_runs`` on 4 fresh ranks, launched by a process of their own beside the session's
-    tests (tests/harness/background.py): its main thread keeps a launcher, so torch is imported twice, not
-    once per rank. The ranks' results are saved to ``folder / "runs.pt"``."""
-    code = (
-        "import torch; from muon_dtensor.testing import run_ranks; "
-        "from tests.integrations.test_moe_torchtitan import titan_runs; "
-        f"torch.save(run_ranks(titan_runs, 4, timeout=240), {str(folder / 'runs.pt')!r})"
-    )
-    done = background.run([sys.executable, "-c", code], timeout=300, env=background.environ())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder / "runs.pt"
+def _in_background(folder: Path) -> list[dict[str, Any]]:
+    """``titan_runs`` on 4 ranks of a pool of their own, beside the session's tests
+    (tests/harness/background.py, ``run_apart``)."""
+    return run_apart(titan_runs, 4, timeout=240)
 
 
 @pytest.fixture
 def titan_moe_runs() -> list[dict[str, Any]]:
-    return torch.load(background.result("titan_moe_runs"), weights_only=True)
+    return background.result("titan_moe_runs")
 
 
 @needs_titan

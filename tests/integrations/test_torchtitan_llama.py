@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from muon_dtensor import Muon, WrongMatrixWarning
-from tests.harness.ranks import run_ranks
+from tests.harness import background
+from tests.harness.ranks import run_apart
 from tests.helpers.host import ns_dtype_here
 from tests.helpers.models import distribute_like, full
 
@@ -146,11 +147,20 @@ def _two_gloo_ranks(folder: str, ns_dtype: torch.dtype) -> list[str]:
     return problems + ([] if len(mine) > 45 else [f"only {len(mine)} entries"])
 
 
+@background.job("titan_two_gloo_ranks")
+def _titan_two_gloo_ranks(folder: Path) -> list[Any]:
+    return run_apart(_two_gloo_ranks, 2, str(folder), ns_dtype_here(), timeout=300)
+
+
+titan_two_gloo_ranks = background.reader("titan_two_gloo_ranks")
+
+
 @pytest.mark.slow  # three builds and two steps per rank
-def test_two_gloo_ranks_bitwise_and_checkpointed(tmp_path: Path) -> None:
+def test_two_gloo_ranks_bitwise_and_checkpointed(titan_two_gloo_ranks: list[Any]) -> None:
     """Newton-Schulz in the library's default bf16, or in float32 where AVX2 emulates bf16 (each rank
-    orthogonalizes 94 GFLOP in two steps of its own and of the reference: 60 s there in bf16)."""
-    assert run_ranks(_two_gloo_ranks, 2, str(tmp_path), ns_dtype_here(), timeout=300) == [[], []]
+    orthogonalizes 94 GFLOP in two steps of its own and of the reference: 60 s there in bf16). On a
+    pool of its own beside the session's tests (``background.apart``)."""
+    assert titan_two_gloo_ranks == [[], []]
 
 
 def test_wrong_matrix_warning_on_torchtitan_llama() -> None:

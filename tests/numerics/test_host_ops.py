@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import bench_host
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV, batching
-from tests.harness.ranks import run_ranks
+from tests.harness import background
+from tests.harness.ranks import run_apart, run_ranks
 
 
 @pytest.mark.parametrize(
@@ -113,13 +115,13 @@ _ONE_ROUND: dict[str, Any] = {"max_round_bytes": None, "ns_steps": 1, "ns_dtype"
 _MOMENTUM = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
-def _ops_per_layer(width: int, layers: int) -> dict[str, float]:
+def _ops_per_layer(width: int, layers: int, run: Callable[..., list[Any]] = run_ranks) -> dict[str, float]:
     """Top-level ops added per layer (2 ranks, batched path, the busiest rank) per momentum dtype."""
     added = {}
     for name, dtype in _MOMENTUM.items():
         options = _ONE_ROUND | {"momentum_dtype": dtype}
         counts = bench_host.rank_counts
-        per_rank = run_ranks(counts, 2, [layers, 2 * layers], "always", 1, width, options, timeout=900)
+        per_rank = run(counts, 2, [layers, 2 * layers], "always", 1, width, options, timeout=900)
         ops = [max(rank[n]["ops"] for rank in per_rank) for n in (layers, 2 * layers)]
         added[name] = (ops[1] - ops[0]) / layers
     return added
@@ -132,13 +134,24 @@ def test_momentum_dtypes_add_no_host_ops_per_layer() -> None:
     assert added == {"float32": 0.0, "bfloat16": 0.0, "int8": 0.0}, added
 
 
+@background.job("ops_per_layer_at_width_512")
+def _ops_at_width_512(folder: Path) -> dict[str, float]:
+    """Its three counts, each on a pool of its own beside the session's tests (``run_apart``)."""
+    return _ops_per_layer(512, 4, run_apart)
+
+
+ops_per_layer_at_width_512 = background.reader("ops_per_layer_at_width_512")
+
+
 @pytest.mark.slow
-def test_momentum_dtypes_add_no_more_host_ops_per_layer_than_float32_at_width_512() -> None:
+def test_momentum_dtypes_add_no_more_host_ops_per_layer_than_float32_at_width_512(
+    ops_per_layer_at_width_512: dict[str, float],
+) -> None:
     """At width 512 a rank's gate matrices of 8 layers fill 6.3M elements. Once, int8 momentum's
     fixed chunks of 2**22 added 16.5 ops per layer (measured at 8 and 16 layers), and bf16's pass over
     CPU pieces more ops per piece than float32's (on CPU, float32's pieces grow with the elements
     too; CUDA buckets do not). Chunks now grow with the device's memory and int8 no longer issues ops
     per chunk: a fixed 2**22 chunk put back passes at 4 and 8 layers and at 8 and 16 alike (stop 54),
     so this holds each dtype's added ops per layer to float32's, at half the old CPU."""
-    added = _ops_per_layer(512, 4)
+    added = ops_per_layer_at_width_512
     assert added["int8"] <= added["float32"] and added["bfloat16"] <= added["float32"], added

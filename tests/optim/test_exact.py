@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from muon_dtensor import Muon
 from muon_dtensor.numerics import newton_schulz
+from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.helpers.models import dt, full, step_together
 
@@ -24,9 +25,18 @@ SHAPES = [(37, 24), (37, 24), (24, 37), (3, 16), (1, 8), (64, 64), (64, 64), (64
 ADAMW_SHAPES = [(37,), (10, 8)]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_sharded_step_equals_single_process(world_size: int) -> None:
-    results = run_ranks(exactness, world_size, timeout=240)
+    _check_exact(run_ranks(exactness, world_size, timeout=240), world_size)
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_single_process_on_4_ranks(exact_on_4_ranks: list[Any]) -> None:
+    """The 4-rank case, on a pool of its own beside the session's tests (``background.apart``)."""
+    _check_exact(exact_on_4_ranks, 4)
+
+
+def _check_exact(results: list[Any], world_size: int) -> None:
     for rank, per_layout in enumerate(results):
         assert per_layout, "no layout was checked"
         for key, r in per_layout.items():
@@ -42,13 +52,20 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
         )
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_batched_path_equals_single_process(world_size: int) -> None:
+def test_batched_path_equals_single_process() -> None:
     """The CUDA path's batching (what ``MUON_DTENSOR_NS_BATCH=always`` selects, here on CPU): an owner's stacks go
     into Newton-Schulz as views, their results come back as one batched tensor, and runs, own
     blocks and sends span a stack's members. Still the one-process step, bit for bit, where each
     matrix runs the same products on both sides (``exactness_batched`` says how)."""
-    results = run_ranks(exactness_batched, world_size, timeout=240)
+    _check_batched(run_ranks(exactness_batched, 2, timeout=240))
+
+
+@pytest.mark.slow
+def test_batched_path_equals_single_process_on_4_ranks(batched_on_4_ranks: list[Any]) -> None:
+    _check_batched(batched_on_4_ranks)
+
+
+def _check_batched(results: list[Any]) -> None:
     for rank, per_layout in enumerate(results):
         assert per_layout, "no layout was checked"
         for key, r in per_layout.items():
@@ -185,3 +202,8 @@ def exactness(steps: int = 3) -> dict[str, Any]:
                     "collectives": opt.comm_stats.collectives,
                 }
     return out
+
+
+# The 4-rank cases of the slow tier, as background jobs (tests/harness/background.py).
+exact_on_4_ranks = background.apart("exact_on_4_ranks", exactness, 4, timeout=240)
+batched_on_4_ranks = background.apart("batched_on_4_ranks", exactness_batched, 4, timeout=240)

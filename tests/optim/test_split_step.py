@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from muon_dtensor import Muon
 from muon_dtensor.numerics.newton_schulz import NSConfig, orthogonalize
 from muon_dtensor.numerics.split_ns import split_orthogonalize
+from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.helpers.models import full, stepped
 
@@ -92,10 +93,17 @@ def split_exactness(ks: Sequence[int], steps: int = 2) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_split_step_equals_the_split_reference(world_size: int) -> None:
-    ks = [2] if world_size == 2 else [2, 3, 4]
-    results = run_ranks(split_exactness, world_size, ks, timeout=300)
+def test_split_step_equals_the_split_reference() -> None:
+    _check_split(run_ranks(split_exactness, 2, [2], timeout=300))
+
+
+@pytest.mark.slow
+def test_split_step_equals_the_split_reference_on_4_ranks(split_on_4_ranks: list[Any]) -> None:
+    """k = 2, 3 and 4 on 4 ranks, on a pool of its own beside the session's tests (``background.apart``)."""
+    _check_split(split_on_4_ranks)
+
+
+def _check_split(results: list[Any]) -> None:
     for rank, per_case in enumerate(results):
         assert per_case, "no layout was checked"
         for case, r in per_case.items():
@@ -106,6 +114,9 @@ def test_split_step_equals_the_split_reference(world_size: int) -> None:
             assert r["orthogonalized"] == len(SHAPES) * r["replicas"], f"{case}: {r['orthogonalized']}"
     split = [r["from_unsplit"] for r in results[0].values()]
     assert max(split) > 0, "no split changed a bit: nothing was split"
+
+
+split_on_4_ranks = background.apart("split_on_4_ranks", split_exactness, 4, [2, 3, 4], timeout=300)
 
 
 # Pure: the plan's gangs and the policy, without processes.
