@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
-from tests.harness.ranks import run_ranks
+from tests.harness import background
+from tests.harness.ranks import run_apart, run_ranks
 from tests.helpers.pipeline import Pipeline, differences, reference_train, shard, snapshot, stack
 from tests.helpers.stage_layouts import build, cut, train
 
@@ -41,10 +42,14 @@ def reference() -> tuple[Snapshot, Snapshot]:
     return saved, snapshot(model, opt)
 
 
-@pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("stages")
-    return root, run_ranks(stages_everywhere, 4, str(root), timeout=TIMEOUT)
+@background.job("stage_runs")
+def _stage_runs(folder: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """``stages_everywhere`` on 4 ranks of a pool of their own, beside the session's tests
+    (tests/harness/background.py, ``run_apart``); the folder keeps its checkpoints."""
+    return folder, run_apart(stages_everywhere, 4, str(folder), timeout=TIMEOUT)
+
+
+stage_runs = background.reader("stage_runs")
 
 
 @pytest.mark.parametrize("layout", ["saved", "stages", "stages4", "hsdp", "tp", "stages4->stages"])

@@ -19,15 +19,15 @@ import muon_dtensor.checkpoint as ckpt
 import muon_dtensor.checkpoint.save as helpers
 from muon_dtensor.testing import RankError
 from muon_dtensor.testing import run_ranks as run_fresh
-from tests.harness.ranks import run_ranks
+from tests.harness import background
 from tests.helpers.pipeline import differences, snapshot
 from tests.helpers.stage_layouts import build, train
 
 TIMEOUT = 120.0
 
 
-def test_stage_checkpoints_keep_their_promises(tmp_path: Path) -> None:
-    for rank, r in enumerate(run_ranks(promises, 4, str(tmp_path), timeout=TIMEOUT)):
+def test_stage_checkpoints_keep_their_promises(stage_promises: list[Any]) -> None:
+    for rank, r in enumerate(stage_promises):
         assert r["kept"] == [2, 3], (rank, r["kept"])
         assert r["weights_only"] == [] and r["fresh"] == [] and r["zero_momentum"], rank
         for case in ("flipped", "missing"):
@@ -138,3 +138,7 @@ def die_mid_save(root: str) -> None:
 
         helpers.file_record = die
     ckpt.save_checkpoint(root, 2, model, opt)
+
+
+# The ranks' runs, a background job on a pool of its own (tests/harness/background.py, ``apart``).
+stage_promises = background.apart("stage_promises", promises, 4, timeout=TIMEOUT, in_folder=True)

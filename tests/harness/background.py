@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,9 +93,9 @@ def apart(
 ) -> Any:
     """Register the job ``name`` that is ``tests.harness.ranks.run_apart(fn, world_size, *args)``
     (with the job's own folder, a str, as the first argument if ``in_folder``) and return its
-    fixture, also named ``name``: a distributed test of the slow tier whose ranks run beside the
-    session's tests, on a pool the zygote forks (no torch import), where the session's own chain of
-    tests is the longer one."""
+    fixture, also named ``name``: a distributed test's call whose ranks run beside the session's
+    tests, on a pool the zygote forks (no torch import). Worth it where the session's own chain of
+    tests is the longer one, or runs alone on one core (the fast tier's in-process tests)."""
 
     def run_on_a_pool(folder: Path) -> Any:
         from tests.harness.ranks import run_apart
@@ -155,7 +156,26 @@ class Runner:
         try:
             return JOBS[name](folder)
         finally:
-            TIMES.append((name, begin, time.monotonic() - self.born))
+            here = "" if threading.current_thread().name.startswith("background") else " (session)"
+            TIMES.append((name + here, begin, time.monotonic() - self.born))
+
+    def steal(self, name: str) -> bool:
+        """Run job ``name`` in the calling thread (the session's) if the background thread has not
+        started it; False if it has."""
+        if not self.futures[name].cancel():
+            return False
+        mine: Future[Any] = Future()
+        mine.set_running_or_notify_cancel()
+        self.futures[name] = mine
+        try:
+            mine.set_result(self._run(name))
+        except BaseException as e:  # noqa: BLE001 - raised in each of the job's readers
+            mine.set_exception(e)
+        return True
+
+    def steal_last(self) -> bool:
+        """Run the last job the background thread has not started, in the calling thread."""
+        return any(self.steal(name) for name in reversed(list(self.futures)))
 
     def close(self) -> None:
         """Kill what still runs (an interrupted session), then remove the outputs."""
@@ -180,9 +200,15 @@ def start(names: list[str]) -> None:
 
 
 def result(name: str) -> Any:
-    """Job ``name``'s result, once it is done (started now if nothing started it)."""
+    """Job ``name``'s result, once it is done (started now if nothing started it). A reader does
+    not wait idle: it runs ``name`` itself if the background thread has not started it, else the
+    last job not started, until ``name`` is done (the session's tests are done by then; two threads
+    share the jobs left, as the two cores do)."""
     start([name])
-    return _RUNNER[0].futures[name].result()
+    runner = _RUNNER[0]
+    while not runner.futures[name].done() and (runner.steal(name) or runner.steal_last()):
+        pass
+    return runner.futures[name].result()
 
 
 def stop() -> None:

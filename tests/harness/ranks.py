@@ -91,7 +91,8 @@ def run_apart(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     job's thread (tests/harness/background.py), beside the session's pools. Its launcher is a fork of
     the zygote, under the zygote's environment: no interpreter imports torch for it (a job that ran
     ``muon_dtensor.testing.run_ranks`` in a ``python -c`` imported torch twice, 5 to 6 s of a core)."""
-    with _ZYGOTE_LOCK:  # the zygote's environment, and its fork, while no test sets it aside
+    # the zygote's environment, and its fork, while no test sets it aside (held until the pool is up)
+    with _ZYGOTE_LOCK:
         env = _ZYGOTE[0].env if _ZYGOTE else _pool_env()
         pool = _Pool(world_size, env, f"{fn.__module__}:{fn.__qualname__} (apart)")
     try:

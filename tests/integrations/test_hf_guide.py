@@ -1,6 +1,6 @@
 """docs/hf_trainer.md, run as written: its three ``python`` blocks, each run on a pool of its own
-(``run_apart``: accelerate keeps process-wide state). The page's ``model`` and ``train_dataset`` ("yours") are the tiny Llama
-and counting data of tests/integrations/test_hf_trainer.py.
+(``run_apart``: accelerate keeps process-wide state). The page's ``model`` and ``train_dataset``
+("yours") are the tiny Llama and counting data of tests/integrations/test_hf_trainer.py.
 
 The FSDP2 block runs on 2 CPU ranks (gloo) with ``transformers.Trainer`` replaced by the page's own
 ``CpuFsdpTrainer`` block, which keeps FSDP on, as accelerate does on GPUs; without it accelerate

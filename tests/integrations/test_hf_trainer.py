@@ -1,5 +1,5 @@
 """``transformers.Trainer`` with FSDP2 through accelerate, on 2 CPU ranks (gloo), with one
-muon_dtensor optimizer: train, let the Trainer save ``checkpoint-N``, resume in fresh processes.
+muon_dtensor optimizer: train, let the Trainer save ``checkpoint-N``, resume in new processes.
 
 The Trainer refuses ``optimizers=(...)`` under FSDP, so Muon comes in through
 ``optimizer_cls_and_kwargs`` as the factory ``muon_dtensor.integrations.hf.MuonForTrainer`` (transformers' hook
@@ -15,8 +15,8 @@ accelerate saves an FSDP2 optimizer with ``get_optimizer_state_dict(model, opt)`
 after the resume is the momentum at the save, bit for bit, and the resumed run ends where the
 uninterrupted one ends, bit for bit.
 
-Each run is a fresh ``muon_dtensor.testing.run_ranks`` call: accelerate reads RANK, WORLD_SIZE
-etc. from the environment and keeps process-wide state. Skipped without transformers/accelerate.
+Each run is a ``tests.harness.ranks.run_apart`` call, on a pool of its own: accelerate reads RANK,
+WORLD_SIZE etc. from the environment and keeps process-wide state. Skipped without transformers/accelerate.
 """
 
 from __future__ import annotations

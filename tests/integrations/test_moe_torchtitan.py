@@ -255,11 +255,11 @@ def reference(experts: int) -> dict[str, torch.Tensor]:
 
 
 def titan_runs() -> dict[str, Any]:
-    """Every layout in turn on this rank, in fresh processes: after a task of the pooled ranks
-    (``tests.harness.ranks``) has parallelized, the next task's ``fully_shard`` fails ("Expected param's
+    """Every layout in turn on this rank, on a pool of its own (``run_apart``): after a task of the
+    session's pooled ranks has parallelized, the next task's ``fully_shard`` fails ("Expected param's
     DTensor mesh to be the same mesh passed to fully_shard") on meshes torch kept from the first;
-    in one process, one layout after another is fine. Per layout: placements, the state after the steps (rank 0 only), the
-    matrices orthogonalized in the world (summed over ranks)."""
+    in one task, one layout after another is fine. Per layout: placements, the state after the steps
+    (rank 0 only), the matrices orthogonalized in the world (summed over ranks)."""
     out: dict[str, Any] = {}
     for key, layout in LAYOUTS.items():
         model = parallelize(layout)

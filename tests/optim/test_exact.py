@@ -25,9 +25,13 @@ SHAPES = [(37, 24), (37, 24), (24, 37), (3, 16), (1, 8), (64, 64), (64, 64), (64
 ADAMW_SHAPES = [(37,), (10, 8)]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_sharded_step_equals_single_process(world_size: int) -> None:
-    _check_exact(run_ranks(exactness, world_size, timeout=240), world_size)
+def test_sharded_step_equals_single_process_in_one_process() -> None:
+    _check_exact(run_ranks(exactness, 1, timeout=240), 1)
+
+
+def test_sharded_step_equals_single_process(exact_on_2_ranks: list[Any]) -> None:
+    """2 ranks, on a pool of its own beside the session's tests (``background.apart``)."""
+    _check_exact(exact_on_2_ranks, 2)
 
 
 @pytest.mark.slow
@@ -204,6 +208,7 @@ def exactness(steps: int = 3) -> dict[str, Any]:
     return out
 
 
-# The 4-rank cases of the slow tier, as background jobs (tests/harness/background.py).
+# Background jobs on pools of their own (tests/harness/background.py).
+exact_on_2_ranks = background.apart("exact_on_2_ranks", exactness, 2, timeout=240)
 exact_on_4_ranks = background.apart("exact_on_4_ranks", exactness, 4, timeout=240)
 batched_on_4_ranks = background.apart("batched_on_4_ranks", exactness_batched, 4, timeout=240)

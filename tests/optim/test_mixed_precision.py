@@ -4,7 +4,6 @@ checkpoint and a resume on the same layout must be exact, and training must trac
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checkpoint import load_checkpoint, save_checkpoint
-from tests.harness.ranks import run_ranks
+from tests.harness import background
 from tests.helpers.models import Net, full_state
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -70,11 +69,18 @@ def mixed_precision_run(root: str) -> dict[str, Any]:
     return {"losses": losses, "ref_losses": ref_losses, "differ": differ, "dtypes": sorted(dtypes)}
 
 
-def test_mixed_precision_trains_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
-    results = run_ranks(mixed_precision_run, 2, str(tmp_path), timeout=180)
-    for rank, r in enumerate(results):
+def test_mixed_precision_trains_checkpoints_and_resumes_exactly(
+    mixed_precision_on_2_ranks: list[Any],
+) -> None:
+    for rank, r in enumerate(mixed_precision_on_2_ranks):
         assert r["differ"] == [], f"rank {rank}: resumed run differs at {r['differ']}"
         assert r["dtypes"] == ["torch.float32"], r["dtypes"]  # fp32 shards and momentum
         assert r["losses"][-1] < r["losses"][0], r["losses"]
         # bf16 compute against fp32 compute: a few bf16 roundings of the loss
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 0.05, r
+
+
+# The ranks' runs, a background job on a pool of its own (tests/harness/background.py, ``apart``).
+mixed_precision_on_2_ranks = background.apart(
+    "mixed_precision_on_2_ranks", mixed_precision_run, 2, timeout=180, in_folder=True
+)

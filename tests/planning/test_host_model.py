@@ -16,7 +16,7 @@ import torch.distributed as dist
 from benchmarks import bench_host
 from muon_dtensor import Muon, split_params
 from muon_dtensor.planning.host_ops import StepShape, step_ops
-from tests.harness.ranks import run_ranks
+from tests.harness import background
 
 
 def model_count(opt: Muon, batched: bool) -> dict[str, int]:
@@ -54,11 +54,40 @@ def counts(layers: int, path: str) -> dict[str, Any]:
     return {"measured": measured, "model": model_count(opt, path == "always")}
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("path", ["never", "always"])
-def test_host_term_equals_the_profilers_count(world_size: int, path: str) -> None:
-    for layers in (8, 16):
-        results = run_ranks(counts, world_size, layers, path, timeout=300)
-        for rank, r in enumerate(results):
+def counts_by_depth(path: str) -> dict[int, dict[str, Any]]:
+    """Rank function: ``counts`` at 8 and at 16 layers."""
+    return {layers: counts(layers, path) for layers in (8, 16)}
+
+
+# Each case a background job on a pool of its own (tests/harness/background.py, ``apart``).
+host_counts_never_on_2 = background.apart("host_counts_never_on_2", counts_by_depth, 2, "never", timeout=600)
+host_counts_always_on_2 = background.apart(
+    "host_counts_always_on_2", counts_by_depth, 2, "always", timeout=600
+)
+host_counts_never_on_4 = background.apart("host_counts_never_on_4", counts_by_depth, 4, "never", timeout=600)
+host_counts_always_on_4 = background.apart(
+    "host_counts_always_on_4", counts_by_depth, 4, "always", timeout=600
+)
+
+
+def test_host_term_equals_the_profilers_count(
+    host_counts_never_on_2: list[Any], host_counts_always_on_2: list[Any]
+) -> None:
+    """On the CPU path (``never``) and with the CUDA path's batching (``always``), 2 ranks."""
+    _check_counts(host_counts_never_on_2)
+    _check_counts(host_counts_always_on_2)
+
+
+@pytest.mark.slow
+def test_host_term_equals_the_profilers_count_on_4_ranks(
+    host_counts_never_on_4: list[Any], host_counts_always_on_4: list[Any]
+) -> None:
+    _check_counts(host_counts_never_on_4)
+    _check_counts(host_counts_always_on_4)
+
+
+def _check_counts(per_rank: list[dict[int, dict[str, Any]]]) -> None:
+    for rank, by_depth in enumerate(per_rank):
+        for layers, r in by_depth.items():
             total = sum(r["model"].values())
             assert abs(total - r["measured"]) <= 0.1 * r["measured"], f"{layers} layers, rank {rank}: {r}"

@@ -8,7 +8,6 @@ degree (ep 2 -> ep 4, ep 2 -> no EP: the experts on FSDP over all 4 ranks)."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon
-from tests.harness.ranks import run_ranks
+from tests.harness import background
 from tests.helpers.named_params import AsModule, saved_and_final, snapshot, train
 
 E, DIM, HIDDEN = 4, 8, 12
@@ -72,9 +71,11 @@ def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return saved_and_final(*build(None, 0), SPLIT, TOTAL)
 
 
-def test_moe_on_ep_by_fsdp_steps_as_one_process_and_resumes_on_other_ep_degrees(tmp_path: Path) -> None:
+def test_moe_on_ep_by_fsdp_steps_as_one_process_and_resumes_on_other_ep_degrees(
+    moe_on_4_ranks: list[Any],
+) -> None:
     saved, final = reference()
-    for rank, r in enumerate(run_ranks(moe_runs, 4, str(tmp_path), timeout=TIMEOUT)):
+    for rank, r in enumerate(moe_on_4_ranks):
         for case in ("ep2", "ep2->ep4", "ep2->no ep"):
             loaded, after = r[case]
             assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == [], (rank, case)
@@ -104,3 +105,7 @@ def moe_runs(root: str) -> dict[str, Any]:
         train(params, opt, range(SPLIT, TOTAL))
         out[case] = (loaded, snapshot(params, opt))
     return out
+
+
+# The ranks' runs, a background job on a pool of its own (tests/harness/background.py, ``apart``).
+moe_on_4_ranks = background.apart("moe_on_4_ranks", moe_runs, 4, timeout=TIMEOUT, in_folder=True)
