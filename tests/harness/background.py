@@ -1,13 +1,16 @@
 """Runs that tests read, started in the background of the session: the demo runs, the examples'
-launches, the GPU check's dry run. Each is a subprocess (or a few) that mostly waits or runs on one
-core, while most of the session's own tests run on one core too: started at the end of
-collection, they fill the other core instead of adding their time to the session's.
+launches, the GPU check's dry run, distributed calls on pools of their own (``apart``). Each is a
+subprocess (or a few) or a pool that mostly waits or runs on one core, while most of the session's
+own tests run on one core too: started at the end of collection, they fill the other core instead
+of adding their time to the session's.
 
 A module registers one with ``@job("name")`` (a function of an empty folder, returning what its
 tests read); a fixture of the same name returns ``result("name")``. conftest.py starts the jobs whose
 fixture a selected test uses, one after another in the order of their first reader, and moves their
-readers to the end of the session. A job that raises raises in each of its readers. Subprocesses a
-job starts go through ``popen`` (their own session), so that an interrupted session kills them.
+readers to the end of the session. A reader runs a job the background thread has not started
+itself, so the session and that thread share the jobs left (``result``). A job that raises raises
+in each of its readers. Subprocesses a job starts go through ``popen`` (their own session), so that
+an interrupted session kills them.
 """
 
 from __future__ import annotations
