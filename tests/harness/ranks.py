@@ -71,9 +71,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     pool = _POOLS[world_size] = pool or _Pool(world_size)
     try:
         pool.signal(signal.SIGCONT)
-        values, threads, failed = pool.run(
-            f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout
-        )
+        values, threads, failed = pool.run(*_task(fn), args, timeout)
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(kill=True)
@@ -94,9 +92,9 @@ def run_apart(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     # the zygote's environment, and its fork, while no test sets it aside (held until the pool is up)
     with _ZYGOTE_LOCK:
         env = _ZYGOTE[0].env if _ZYGOTE else _pool_env()
-        pool = _Pool(world_size, env, f"{fn.__module__}:{fn.__qualname__} (apart)")
+        pool = _Pool(world_size, env, f"{_task(fn)[0]} (apart)")
     try:
-        values = pool.run(f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__), args, timeout)[0]
+        values = pool.run(*_task(fn), args, timeout)[0]
     except BaseException:
         pool.close(kill=True)
         raise
@@ -108,6 +106,11 @@ def shutdown() -> None:
     """Stop every pool (the session's end); workers leave their loop when their stdin closes."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def _task(fn: Callable[..., Any]) -> tuple[str, str]:
+    """``fn``'s ``module:qualname`` and the folder its module was imported from, as a worker reads them."""
+    return f"{fn.__module__}:{fn.__qualname__}", _import_root(fn.__module__)
 
 
 def _import_root(module: str) -> str:

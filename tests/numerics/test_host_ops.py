@@ -115,13 +115,13 @@ _ONE_ROUND: dict[str, Any] = {"max_round_bytes": None, "ns_steps": 1, "ns_dtype"
 _MOMENTUM = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
-def _ops_per_layer(width: int, layers: int, run: Callable[..., list[Any]] = run_ranks) -> dict[str, float]:
+def _ops_per_layer(width: int, layers: int) -> dict[str, float]:
     """Top-level ops added per layer (2 ranks, batched path, the busiest rank) per momentum dtype."""
     added = {}
     for name, dtype in _MOMENTUM.items():
         options = _ONE_ROUND | {"momentum_dtype": dtype}
         counts = bench_host.rank_counts
-        per_rank = run(counts, 2, [layers, 2 * layers], "always", 1, width, options, timeout=900)
+        per_rank = run_apart(counts, 2, [layers, 2 * layers], "always", 1, width, options, timeout=900)
         ops = [max(rank[n]["ops"] for rank in per_rank) for n in (layers, 2 * layers)]
         added[name] = (ops[1] - ops[0]) / layers
     return added
@@ -129,7 +129,7 @@ def _ops_per_layer(width: int, layers: int, run: Callable[..., list[Any]] = run_
 
 @background.job("ops_per_layer_at_width_16")
 def _ops_at_width_16(folder: Path) -> dict[str, float]:
-    return _ops_per_layer(16, 4, run_apart)
+    return _ops_per_layer(16, 4)
 
 
 ops_per_layer_at_width_16 = background.reader("ops_per_layer_at_width_16")
@@ -145,7 +145,7 @@ def test_momentum_dtypes_add_no_host_ops_per_layer(ops_per_layer_at_width_16: di
 @background.job("ops_per_layer_at_width_512")
 def _ops_at_width_512(folder: Path) -> dict[str, float]:
     """Its three counts, each on a pool of its own beside the session's tests (``run_apart``)."""
-    return _ops_per_layer(512, 4, run_apart)
+    return _ops_per_layer(512, 4)
 
 
 ops_per_layer_at_width_512 = background.reader("ops_per_layer_at_width_512")
