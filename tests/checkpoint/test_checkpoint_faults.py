@@ -4,9 +4,10 @@ ordered otherwise. Every rank raises the same error within the call's deadline (
 used to wait forever), the root keeps the previous complete checkpoint and nothing half-published,
 and a refused load leaves the model and the optimizer untouched.
 
-Disk faults are simulated in fresh processes (``muon_dtensor.testing.run_ranks``) by metering
-this process's writes under the checkpoint root (``_Disk``), so the tests need no mount or root
-rights; the rest runs in the pooled ranks of ``tests.harness.ranks``.
+Disk faults are simulated in processes of their own by metering this process's writes under the
+checkpoint root (``_Disk``), so the tests need no mount or root rights: background jobs on pools the
+session's zygote forks and closes after the call (``background.apart``), beside the session's tests.
+The rest runs in the pooled ranks of ``tests.harness.ranks``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 import muon_dtensor.checkpoint as ckpt
 from muon_dtensor import Muon, split_params
 from muon_dtensor.checks.together import raise_together
-from muon_dtensor.testing import run_ranks as run_fresh
+from tests.harness import background
 from tests.harness.ranks import run_ranks
 from tests.helpers.models import build, full, model_grads, step_together
 
@@ -133,15 +134,32 @@ class _Metered:
         self._f.close()
 
 
+def full_disks_here(
+    folder: str, whos: list[int], sample: int | None = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """``full_disks`` and the folder it ran in (a background job's own)."""
+    return folder, full_disks(folder, whos, sample)
+
+
+full_disk_on_each_rank = background.apart(
+    "full_disk_on_each_rank", full_disks_here, 2, [0, 1], timeout=2 * TIMEOUT, in_folder=True
+)
+full_disk_sampled = background.apart(
+    "full_disk_sampled", full_disks_here, 2, [0], SAMPLE, timeout=TIMEOUT, in_folder=True
+)
+
+
 @pytest.mark.slow
-def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(
+    full_disk_on_each_rank: list[tuple[str, list[dict[str, Any]]]],
+) -> None:
     """Each rank's disk fills in turn: before the save, at the first, second, middle and last byte
     of every file it writes (its shard; on rank 0 also DCP's .metadata and the manifest, whose last
     byte is the very end of the save) and at 7 more points of its shard. The default tier runs a
     sample of these (the next test)."""
-    both = run_fresh(full_disks, 2, str(tmp_path), [0, 1], timeout=2 * TIMEOUT)  # one launch
+    folder, both = Path(full_disk_on_each_rank[0][0]), [per_rank for _, per_rank in full_disk_on_each_rank]
     for who in (0, 1):
-        root = tmp_path / f"rank{who}_full"
+        root = folder / f"rank{who}_full"
         results = [per_rank[who] for per_rank in both]
         faults = results[0]["faults"]
         files = 3 if who == 0 else 1  # rank 0: shard, .metadata, manifest; rank 1: its shard
@@ -152,15 +170,13 @@ def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpo
 
 @pytest.mark.sample_of("test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint")
 def test_a_full_disk_at_sampled_bytes_raises_on_every_rank_and_keeps_the_last_checkpoint(
-    tmp_path: Path,
+    full_disk_sampled: list[tuple[str, list[dict[str, Any]]]],
 ) -> None:
     """The fast tier's share of the test above: rank 0's disk (it writes the shard, .metadata and the
     manifest) fills before the save, at the save's last byte and at 2 of the other points, drawn
     with a fixed seed; the same checks on each."""
-    root = tmp_path / "rank0_full"
-    results = [
-        per_rank[0] for per_rank in run_fresh(full_disks, 2, str(tmp_path), [0], SAMPLE, timeout=TIMEOUT)
-    ]
+    root = Path(full_disk_sampled[0][0]) / "rank0_full"
+    results = [per_rank[0] for _, per_rank in full_disk_sampled]
     faults = results[0]["faults"]
     assert len(faults) == SAMPLE + 2 and (-1, 0) in faults and (2, -1) in faults, faults
     _check_full_disk(root, 0, results)
@@ -180,12 +196,12 @@ def _check_full_disk(root: Path, who: int, results: list[dict[str, Any]]) -> Non
 
 
 @pytest.mark.slow
-def test_a_read_only_root_raises_on_every_rank(tmp_path: Path) -> None:
-    results = run_fresh(read_only, 2, str(tmp_path), timeout=TIMEOUT)
+def test_a_read_only_root_raises_on_every_rank(read_only_root: list[tuple[str, dict[str, Any]]]) -> None:
+    folder, results = Path(read_only_root[0][0]), [r for _, r in read_only_root]
     assert results[0]["outcome"] == results[1]["outcome"], results
     kind, message = results[0]["outcome"]
     assert kind == "OSError" and "Read-only file system" in message and ".tmp_step_00000002" in message
-    assert results[0]["complete"] == [1] and not (tmp_path / "step_00000002").exists()
+    assert results[0]["complete"] == [1] and not (folder / "step_00000002").exists()
 
 
 # ----------------------------------------------------------------------------------- taken steps
@@ -322,6 +338,14 @@ def full_disk(root: str, who: int, sample: int | None = None) -> dict[str, Any]:
     resumed = _same(_snapshot(fresh, fresh_opt), at_one)
     disk.close()
     return {"faults": box[0], "outcomes": outcomes, "complete": complete, "retry": retry, "resumed": resumed}
+
+
+def read_only_here(folder: str) -> tuple[str, dict[str, Any]]:
+    """``read_only`` in a background job's own folder, and that folder."""
+    return folder, read_only(folder)
+
+
+read_only_root = background.apart("read_only_root", read_only_here, 2, timeout=TIMEOUT, in_folder=True)
 
 
 def read_only(root: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ row's ratios, and on CPU (one matrix at a time) the round bound changes no bit o
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_each_arm_steps_and_the_table_prints_its_ratios(capsys: pytest.CaptureFixture[str]) -> None:
     (name, (cfg, batches)), cpu = next(iter(DRY.items())), torch.device("cpu")
-    rows = [{"model": name, "tokens": batches[0] * cfg.seq, "arm": arm} for arm in ARMS]
+    rows: list[dict[str, Any]] = [{"model": name, "tokens": batches[0] * cfg.seq, "arm": arm} for arm in ARMS]
     for row in rows:
         row.update(run_arm(str(row["arm"]), cfg, batches[0], cpu, reps=1, warmup=1))
         row["predicted_share"] = predicted(cfg, batches[0] * cfg.seq)

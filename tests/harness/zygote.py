@@ -20,12 +20,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 __all__ = ["Forked", "Zygote", "process_state"]
 
 # What the rank functions' test modules import besides the launcher's preload: every worker of every
 # pool imported them again (0.3 s each in a profile of tests/checkpoint's resume tests).
 SHARED = ("pytest", "tests.helpers.models", "tests.helpers.pipeline")
+# The integrations' libraries, imported while no request waits: 23 workers of a suite imported one
+# or more of them, 1.7 to 2.1 CPU s each (torchtitan's llama3 and deepseek_v3, transformers' Llama,
+# lightning). A launcher forked before one is in imports it itself, as before; one not installed is
+# skipped.
+IDLE = (
+    "transformers.models.llama.modeling_llama",
+    "accelerate",
+    "lightning.pytorch",
+    "lightning.fabric.strategies",
+    "torchtitan.models.llama3",
+    "torchtitan.models.deepseek_v3",
+)
 
 
 def process_state(pid: int) -> str:
@@ -103,6 +116,23 @@ def _reap(*_: object) -> None:
             pass
 
 
+def _requests(idle: list[str]) -> Iterator[bytes]:
+    """Request lines from stdin; while none is waiting, the next module of ``idle`` is imported."""
+    buffer = b""
+    while True:
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line
+        if idle and not select.select([0], [], [], 0)[0]:
+            with contextlib.suppress(Exception):  # not installed, or broken: its tests will say
+                importlib.import_module(idle.pop(0))
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return
+        buffer += chunk
+
+
 def _serve(parent: int) -> None:
     """Import as a pool's launcher does, then fork one launcher per request line and write its pid."""
     from muon_dtensor.testing.launcher import die_with_parent, preload
@@ -114,7 +144,7 @@ def _serve(parent: int) -> None:
         importlib.import_module(name)
     me = os.getpid()
     signal.signal(signal.SIGCHLD, _reap)  # reaped here, not by the kernel: their CPU counts
-    for line in sys.stdin:
+    for line in _requests(list(IDLE)):
         folder, world_size, env = json.loads(line)
         pid = os.fork()
         if pid == 0:
