@@ -134,30 +134,15 @@ class _Metered:
         self._f.close()
 
 
-def full_disks_here(
-    folder: str, whos: list[int], sample: int | None = None
-) -> tuple[str, list[dict[str, Any]]]:
-    """``full_disks`` and the folder it ran in (a background job's own)."""
-    return folder, full_disks(folder, whos, sample)
-
-
-full_disk_on_each_rank = background.apart(
-    "full_disk_on_each_rank", full_disks_here, 2, [0, 1], timeout=2 * TIMEOUT, in_folder=True
-)
-full_disk_sampled = background.apart(
-    "full_disk_sampled", full_disks_here, 2, [0], SAMPLE, timeout=TIMEOUT, in_folder=True
-)
-
-
 @pytest.mark.slow
 def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint(
-    full_disk_on_each_rank: list[tuple[str, list[dict[str, Any]]]],
+    full_disk_on_each_rank: list[list[dict[str, Any]]],
 ) -> None:
     """Each rank's disk fills in turn: before the save, at the first, second, middle and last byte
     of every file it writes (its shard; on rank 0 also DCP's .metadata and the manifest, whose last
     byte is the very end of the save) and at 7 more points of its shard. The default tier runs a
     sample of these (the next test)."""
-    folder, both = Path(full_disk_on_each_rank[0][0]), [per_rank for _, per_rank in full_disk_on_each_rank]
+    folder, both = background.folder("full_disk_on_each_rank"), full_disk_on_each_rank
     for who in (0, 1):
         root = folder / f"rank{who}_full"
         results = [per_rank[who] for per_rank in both]
@@ -170,13 +155,13 @@ def test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpo
 
 @pytest.mark.sample_of("test_a_full_disk_at_any_byte_raises_on_every_rank_and_keeps_the_last_checkpoint")
 def test_a_full_disk_at_sampled_bytes_raises_on_every_rank_and_keeps_the_last_checkpoint(
-    full_disk_sampled: list[tuple[str, list[dict[str, Any]]]],
+    full_disk_sampled: list[list[dict[str, Any]]],
 ) -> None:
     """The fast tier's share of the test above: rank 0's disk (it writes the shard, .metadata and the
     manifest) fills before the save, at the save's last byte and at 2 of the other points, drawn
     with a fixed seed; the same checks on each."""
-    root = Path(full_disk_sampled[0][0]) / "rank0_full"
-    results = [per_rank[0] for _, per_rank in full_disk_sampled]
+    root = background.folder("full_disk_sampled") / "rank0_full"
+    results = [per_rank[0] for per_rank in full_disk_sampled]
     faults = results[0]["faults"]
     assert len(faults) == SAMPLE + 2 and (-1, 0) in faults and (2, -1) in faults, faults
     _check_full_disk(root, 0, results)
@@ -196,8 +181,8 @@ def _check_full_disk(root: Path, who: int, results: list[dict[str, Any]]) -> Non
 
 
 @pytest.mark.slow
-def test_a_read_only_root_raises_on_every_rank(read_only_root: list[tuple[str, dict[str, Any]]]) -> None:
-    folder, results = Path(read_only_root[0][0]), [r for _, r in read_only_root]
+def test_a_read_only_root_raises_on_every_rank(read_only_root: list[dict[str, Any]]) -> None:
+    folder, results = background.folder("read_only_root"), read_only_root
     assert results[0]["outcome"] == results[1]["outcome"], results
     kind, message = results[0]["outcome"]
     assert kind == "OSError" and "Read-only file system" in message and ".tmp_step_00000002" in message
@@ -308,6 +293,15 @@ def full_disks(folder: str, whos: list[int], sample: int | None = None) -> list[
     return [full_disk(f"{folder}/rank{who}_full", who, sample) for who in whos]
 
 
+# Their folders are the jobs' own (``background.folder``), kept until the session ends.
+full_disk_on_each_rank = background.apart(
+    "full_disk_on_each_rank", full_disks, 2, [0, 1], timeout=2 * TIMEOUT, in_folder=True
+)
+full_disk_sampled = background.apart(
+    "full_disk_sampled", full_disks, 2, [0], SAMPLE, timeout=TIMEOUT, in_folder=True
+)
+
+
 def full_disk(root: str, who: int, sample: int | None = None) -> dict[str, Any]:
     """Step 1 is saved; then rank ``who``'s disk fills at each fault while step 2 is saved (with
     ``sample``: the first and last fault and ``sample`` others, drawn with a fixed seed)."""
@@ -340,20 +334,15 @@ def full_disk(root: str, who: int, sample: int | None = None) -> dict[str, Any]:
     return {"faults": box[0], "outcomes": outcomes, "complete": complete, "retry": retry, "resumed": resumed}
 
 
-def read_only_here(folder: str) -> tuple[str, dict[str, Any]]:
-    """``read_only`` in a background job's own folder, and that folder."""
-    return folder, read_only(folder)
-
-
-read_only_root = background.apart("read_only_root", read_only_here, 2, timeout=TIMEOUT, in_folder=True)
-
-
 def read_only(root: str) -> dict[str, Any]:
     model, opt = _trained()
     ckpt.save_checkpoint(root, 1, model, opt)
     _Disk(root).read_only = True
     outcome = _outcome(lambda: ckpt.save_checkpoint(root, 2, model, opt))
     return {"outcome": outcome, "complete": ckpt.complete_steps(root)}
+
+
+read_only_root = background.apart("read_only_root", read_only, 2, timeout=TIMEOUT, in_folder=True)
 
 
 def same_step_twice(root: str) -> list[Outcome]:

@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import pytest
 
 __all__ = [
-    "JOBS", "Runner", "apart", "command", "environ", "importable", "job", "popen", "reader", "result", "run",
+    "JOBS", "Runner", "apart", "command", "environ", "folder", "importable", "job", "popen", "reader", "result",
+    "run",
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[[Path], Any])
@@ -212,6 +213,12 @@ def result(name: str) -> Any:
     while not runner.futures[name].done() and (runner.steal(name) or runner.steal_last()):
         pass
     return runner.futures[name].result()
+
+
+def folder(name: str) -> Path:
+    """The folder job ``name`` ran in, for a reader that checks the files it left (they stay until
+    the session ends)."""
+    return _RUNNER[0].folder / name
 
 
 def stop() -> None:
