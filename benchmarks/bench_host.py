@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import results_config, system_info, wait_for_quiet  # noqa: E402
 from benchmarks.host_stats import format_depth, format_timed, per_layer, rotated, summarize  # noqa: E402
+from muon_dtensor.base.op_count import top_level_ops  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV  # noqa: E402
 
 WIDTH, KV, FFN, VOCAB = 16, 8, 48, 64
@@ -161,19 +162,6 @@ def ns_batch(value: str) -> Iterator[None]:
             os.environ[BATCH_ENV] = old
 
 
-def _is_op(name: str) -> bool:
-    return name.startswith(("aten::", "c10d::"))
-
-
-def _top_level(event: Any) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if _is_op(parent.name):
-            return False
-        parent = parent.cpu_parent
-    return True
-
-
 def count_step(opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
     """Inside a rank: one ``opt.step()`` under the profiler, with ``MUON_DTENSOR_NS_BATCH=path``:
     top-level ``aten::`` ops, collectives (top-level ``c10d::`` ops), and how many of each name."""
@@ -184,7 +172,7 @@ def count_step(opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             opt.step()
-    top = [e.name for e in prof.profiler.function_events if _is_op(e.name) and _top_level(e)]
+    top = top_level_ops(prof)
     collectives = sorted(n for n in top if n.startswith("c10d::"))
     ops = sorted(n for n in top if n.startswith("aten::"))
     return {

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.autograd import DeviceType
 
-from benchmarks.bench_host import _is_op, _top_level
 from benchmarks.gpucheck.common import Dims, Settings, clock, error_text, median, sync
 from muon_dtensor import Muon, split_params
+from muon_dtensor.base.op_count import top_level_ops
 from muon_dtensor.numerics.newton_schulz import ns_flops
 from muon_dtensor.planning.hardware import Hardware
 
@@ -101,12 +101,11 @@ def count_ops(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         step()
         sync(device)
-    events = prof.profiler.function_events
-    ops = [e.name for e in events if e.name.startswith("aten::") and _is_op(e.name) and _top_level(e)]
+    ops = [name for name in top_level_ops(prof) if name.startswith("aten::")]
     top = sorted(set(ops), key=ops.count, reverse=True)[:12]
     out: dict[str, Any] = {"ops": len(ops), "top_op_names": {n: ops.count(n) for n in top}}
     if device.type == "cuda":  # device events (kernels, copies) once each, not again via their ops
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernels = [e for e in prof.profiler.function_events if e.device_type == DeviceType.CUDA]
         out["kernels"] = len(kernels)
         out["kernel_ms"] = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
     return out

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..base.compat import StridedShard as _StridedShard
 from ..base.compat import TorchDispatchMode, tree_leaves
+from ..base.op_count import top_level_ops
 from ..base.torch_dist import fake_store, local_shape, process_group_count
 from ..numerics.newton_schulz import orthogonalize
 from ..optim.optimizer import Muon
@@ -191,8 +192,9 @@ def _profiled_step(opt: Muon) -> tuple[int, list[tuple[str, int]]]:
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
         opt.step()
-    ops = sum(1 for e in prof.profiler.function_events if e.name.startswith("aten::") and _top_level(e))
-    counted = sum(1 for e in prof.profiler.function_events if e.name.startswith("c10d::") and _top_level(e))
+    top = top_level_ops(prof)
+    ops = sum(1 for name in top if name.startswith("aten::"))
+    counted = len(top) - ops
     with _Collectives() as mode:
         opt.step()
     if len(mode.seen) != counted:  # a bug, not a user error: the two steps must run the same collectives
@@ -200,15 +202,6 @@ def _profiled_step(opt: Muon) -> tuple[int, list[tuple[str, int]]]:
             f"the profiler counted {counted} collectives and the step dispatched {len(mode.seen)}"
         )
     return ops, mode.seen
-
-
-def _top_level(event: Any) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(("aten::", "c10d::")):
-            return False
-        parent = parent.cpu_parent
-    return True
 
 
 class _CountedNS:
