@@ -55,6 +55,17 @@ def test_every_task_starts_from_the_same_rng_state() -> None:
     assert torch.equal(first, expected) and torch.equal(second, expected)
 
 
+def test_a_waiting_call_wakes_when_its_results_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call sleeps until a worker writes a byte to the pool's ``done`` FIFO, not for a fixed
+    period: with its periodic wake-up set to a minute, a quick task still returns at once (without
+    the byte it would wake at the deadline, 60 s)."""
+    run_ranks(pid, 2)  # the pool up
+    monkeypatch.setattr(ranks, "WAKE", 60.0)
+    start = time.monotonic()
+    assert run_ranks(pid_and_group_sum, 2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
 def test_a_pool_sleeps_between_calls_and_wakes_for_the_next() -> None:
     """Between calls the pool's processes are stopped (state T), so no gloo loop thread of theirs
     polls while the session runs other tests; the next call continues them and gets the same ranks."""
