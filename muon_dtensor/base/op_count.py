@@ -1,7 +1,7 @@
 """The top-level ops of a profiled block: each ``aten::`` or ``c10d::`` op that no other such op
 encloses on its thread (one host dispatch each, a kernel launch on a GPU), read from the profiler's
 raw events. ``prof.profiler.function_events`` builds a Python object per event and a parent tree
-first: 1 to 1.7 s of CPU for the 5,000 to 13,000 events of one sharded step, against 0.04 to 0.15 s
+first: 0.6 to 1.7 s of CPU for the 5,000 to 13,000 events of one sharded step, against 0.04 to 0.15 s
 here, for the same names (tests/base/test_op_count.py). Nesting follows torch's
 ``EventList._populate_cpu_children``: intervals on one thread, sorted by start then longest first;
 async events and device events nest nothing and are top-level."""

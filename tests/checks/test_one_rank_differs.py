@@ -121,12 +121,13 @@ class Env:
     def __init__(self, root: Path, sharded: bool = True) -> None:
         self.root = root
         self.watched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, its local values before)
-        self.model, self.opt = nn.Module(), Muon([nn.Parameter(torch.zeros(2, 2))], lr=0.02)
-        if sharded:  # the model's build, forward and backward: 0.09 s of a rank's CPU per case
-            self.model = build((dist.get_world_size(),))
-            self.opt = Muon(split_params(self.model), lr=0.02)
-            torch.manual_seed(1)
-            self.model(torch.randint(0, 11, (2, 5))).sum().backward()  # the same gradients on every rank
+        if not sharded:  # the model's build, forward and backward: 0.09 s of a rank's CPU per case
+            self.model, self.opt = nn.Module(), Muon([nn.Parameter(torch.zeros(2, 2))], lr=0.02)
+            return
+        self.model = build((dist.get_world_size(),))
+        self.opt = Muon(split_params(self.model), lr=0.02)
+        torch.manual_seed(1)
+        self.model(torch.randint(0, 11, (2, 5))).sum().backward()  # the same gradients on every rank
 
     def watch(self, *weights: torch.Tensor) -> None:
         self.watched += [(w, _local(w).clone()) for w in weights]
