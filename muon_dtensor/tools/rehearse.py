@@ -51,7 +51,7 @@ Progress = Callable[[str], None]
 # update) above the 12 of parameter, gradient and momentum, and bytes of a step whatever its size (the
 # profiler, the fake group): fitted to peaks measured on 2, 4, 8 and 16 ranks (test_rehearse_memory.py).
 # 10 MiB less since the count reads the profiler's raw events, not its event tree (stop 61: the peak
-# on 16 ranks fell from 183.0 to 173.4 MiB; bound over peak 1.04, 1.06, 0.92, 1.11 on 2, 4, 8, 16).
+# on 16 ranks fell from 183.0 to 173.4 MiB; bound over peak 1.10, 0.98, 0.98, 1.14 on 2, 4, 8, 16).
 TRANSIENT_BYTES = 5
 STEP_BYTES = 70 << 20
 # Modelled host ops above which the step is not profiled: the profiler keeps every event of the step
