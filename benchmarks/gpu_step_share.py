@@ -51,8 +51,7 @@ FULL = {
     "width 2048 x 16 layers": (ModelConfig(vocab=32768, dim=2048, layers=16, heads=16, seq=2048), [4, 16]),
 }
 DRY = {"dry: width 64 x 2 layers": (ModelConfig(vocab=256, dim=64, layers=2, heads=4, seq=32), [2, 4])}
-ADAMW_LR, ADAMW_BETAS, ADAMW_WD = 3e-4, (0.9, 0.95), 0.0  # every arm's AdamW, ours and torch's
-ADAMW = {"lr": ADAMW_LR, "betas": ADAMW_BETAS, "weight_decay": ADAMW_WD}
+ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.0}  # every arm's AdamW, ours and torch's
 WARMUP, REPS = 3, 10
 
 
@@ -79,7 +78,7 @@ def build(arm: str, model: TinyLM, fused: bool) -> Muon | Pair | torch.optim.Opt
     if arm == "muon_dtensor.Muon":
         return Muon(groups, lr=0.02)
     hidden, rest = groups[0]["params"], groups[1]["params"]
-    adamw = partial(torch.optim.AdamW, lr=ADAMW_LR, betas=ADAMW_BETAS, weight_decay=ADAMW_WD, fused=fused)
+    adamw = partial(torch.optim.AdamW, fused=fused, **ADAMW)
     if arm == "torch.optim.Muon + fused AdamW":
         return Pair(torch.optim.Muon(hidden, lr=0.02), adamw(rest))
     return adamw(model.parameters())
