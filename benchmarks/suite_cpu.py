@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from muon_dtensor.demo.run import environment
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -134,7 +136,8 @@ def main() -> None:
     args = parser.parse_args()
     result: dict = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
+        # which kind of host: the suite's time on a Zen 3 with AVX2 only was twice a Zen 4's (stop 62)
+        "host": {"machine": platform.machine(), **environment()},
         "python": platform.python_version(),
         "note": args.note,
     }
