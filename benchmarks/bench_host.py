@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import results_config, system_info, wait_for_quiet  # noqa: E402
 from benchmarks.host_stats import format_depth, format_timed, per_layer, rotated, summarize  # noqa: E402
 from muon_dtensor.base.op_count import top_level_ops  # noqa: E402
+from muon_dtensor.demo.cpu import host_cpu  # noqa: E402
 from muon_dtensor.numerics.newton_schulz import BATCH_ENV  # noqa: E402
 
 WIDTH, KV, FFN, VOCAB = 16, 8, 48, 64
@@ -285,8 +286,7 @@ def rank_many(most: int, seconds: float, steps: int, warmup: int, count: bool = 
 
 
 def avx512_bf16() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
+    return "avx512_bf16" in host_cpu()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

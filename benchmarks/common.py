@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from muon_dtensor.demo.cpu import host_cpu
 from muon_dtensor.planning.costmodel import transformer_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,13 +96,7 @@ def wait_for_quiet(timeout: float, max_load: float = 1.0, poll: float = 5.0) -> 
 
 
 def system_info() -> dict[str, Any]:
-    cpu = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu, _ = host_cpu()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),

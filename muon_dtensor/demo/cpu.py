@@ -13,12 +13,14 @@ for tests and for trying the other path on any machine; the rates are still meas
 from __future__ import annotations
 
 import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["ENV", "EMULATED", "NATIVE", "CpuProbe", "classify", "probe"]
+__all__ = ["ENV", "EMULATED", "NATIVE", "CpuProbe", "classify", "host_cpu", "probe"]
 
 ENV = "MUON_DTENSOR_CPU_BF16"
 NATIVE, EMULATED = "native", "emulated"
@@ -104,3 +106,26 @@ def probe(force: str | None = None, size: int = SIZE, seconds: float = 0.05) -> 
     if force not in (None, NATIVE, EMULATED):
         raise ValueError(f"{ENV} should be {NATIVE!r} or {EMULATED!r} but is {force!r}")
     return CpuProbe(bf16, fp32, force or classify(bf16, fp32), forced=force is not None)
+
+
+def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
+    """The CPU's name, with its family and model where /proc/cpuinfo gives them (a virtual machine's
+    name may say only "AMD EPYC": family 25 model 1 is a Zen 3, model 17 a Zen 4), and its flags
+    (``avx512_bf16``, ``amx_bf16``: native bf16); the platform's name and no flags without the file."""
+    name, flags = platform.processor() or platform.machine(), set()
+    ids: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                name = value
+            elif key in ("cpu family", "model"):
+                ids[key] = value
+            elif key == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    if ids:
+        name += " (" + ", ".join(f"{k} {v}" for k, v in ids.items()) + ")"
+    return name, flags

@@ -28,7 +28,7 @@ from muon_dtensor.checkpoint.manifest import step_dir
 from muon_dtensor.testing import RankError, run_ranks
 
 from . import qk_clip, report
-from .cpu import CpuProbe, probe
+from .cpu import CpuProbe, host_cpu, probe
 from .model import ModelConfig, TinyLM
 from .parallel import LAYOUTS, demo_shape, layout_problem
 from .progress import Progress
@@ -277,32 +277,10 @@ def _show_clip(args: argparse.Namespace, ours: report.Outcome) -> None:
     print(f"\nThe resumed run ({report.ranks(args.resume_world_size)}) clipped {how}.")
 
 
-def _cpu(cpuinfo: Path) -> tuple[str, set[str]]:
-    """The CPU's name, with its family and model where /proc/cpuinfo gives them (a virtual machine's
-    name may say only "AMD EPYC": family 25 model 1 is a Zen 3, model 17 a Zen 4), and its flags."""
-    name, flags = platform.processor() or platform.machine(), set()
-    ids: dict[str, str] = {}
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name":
-                name = value
-            elif key in ("cpu family", "model"):
-                ids[key] = value
-            elif key == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    if ids:
-        name += " (" + ", ".join(f"{k} {v}" for k, v in ids.items()) + ")"
-    return name, flags
-
-
 def environment(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
     """Where the demo ran. Its figures depend on it: bfloat16 matrix products round differently on
     CPUs with and without native bfloat16 instructions (avx512_bf16, amx_bf16) and on GPUs."""
-    cpu, flags = _cpu(cpuinfo)
+    cpu, flags = host_cpu(cpuinfo)
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
